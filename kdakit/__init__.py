@@ -1,0 +1,7 @@
+"""kdakit: GPU inference kernels for Kimi Delta Attention (KDA) serving."""
+__version__ = "0.1.0"
+
+from . import backends, contracts, reference  # noqa: E402
+from .ops.packed_decode import packed_decode  # noqa: E402
+
+__all__ = ["__version__", "backends", "contracts", "reference", "packed_decode"]

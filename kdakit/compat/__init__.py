@@ -1,0 +1,1 @@
+"""Drop-in functions with the names, signatures and error texts of peer libraries."""

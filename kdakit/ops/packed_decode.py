@@ -1,0 +1,120 @@
+"""Packed decode: one token per request over a pool of recurrent states.
+
+``mixed_qkv [B, 2*H*K + HV*V]`` (post-conv ``q | k | v``), raw gate ``a [B, HV*K]``,
+raw beta ``b [B, HV]``; ``state[slot_indices[i]]`` is updated in place and
+``out [B, 1, HV, V]`` receives ``o``. A slot < 0 is a padding row: zero output,
+no pool access.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import contracts, reference
+from ..backends import register, select
+from .triton_math import delta_rule_update, kda_log_decay, l2_normalize
+
+
+@triton.jit
+def _packed_decode_kernel(
+    mixed_qkv, a, b, A_log, dt_bias, state, slot_indices, out,
+    stride_qkv_row, stride_a_row, stride_b_row, stride_state_slot,
+    scale, lower_bound,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    USE_QK_L2NORM: tl.constexpr, SAFE_GATE: tl.constexpr,
+):
+    # One program owns BLOCK_V rows of one (request, value head) state: the V rows
+    # are independent given q, k, g, beta, so splitting V puts more bytes in flight.
+    i_v, i_hv, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_h = i_hv // (HV // H)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_v = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask_k = offs_k < K
+    mask_v = offs_v < V
+    out_ptrs = out + (i_b * HV + i_hv) * V + offs_v
+    slot = tl.load(slot_indices + i_b).to(tl.int64)
+    if slot < 0:
+        tl.store(out_ptrs, tl.zeros([BLOCK_V], dtype=out.dtype.element_ty), mask=mask_v)
+    else:
+        # 64-bit offsets: slot * stride passes 2**31 in real pools.
+        s_ptrs = state + slot * stride_state_slot + i_hv * V * K + offs_v[:, None] * K + offs_k[None, :]
+        mask_s = mask_v[:, None] & mask_k[None, :]
+        S = tl.load(s_ptrs, mask=mask_s, other=0.0).to(tl.float32)
+
+        row = mixed_qkv + i_b.to(tl.int64) * stride_qkv_row
+        q = tl.load(row + i_h * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        k = tl.load(row + (H + i_h) * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        v = tl.load(row + 2 * H * K + i_hv * V + offs_v, mask=mask_v, other=0.0).to(tl.float32)
+        if USE_QK_L2NORM:
+            q = l2_normalize(q)
+            k = l2_normalize(k)
+        q = q * scale
+        a_raw = tl.load(a + i_b.to(tl.int64) * stride_a_row + i_hv * K + offs_k, mask=mask_k, other=0.0)
+        bias = tl.load(dt_bias + i_hv * K + offs_k, mask=mask_k, other=0.0)
+        g = kda_log_decay(a_raw.to(tl.float32), bias.to(tl.float32),
+                          tl.load(A_log + i_hv).to(tl.float32), lower_bound, SAFE_GATE)
+        beta = tl.sigmoid(tl.load(b + i_b.to(tl.int64) * stride_b_row + i_hv).to(tl.float32))
+
+        S = delta_rule_update(S, k, v, g, beta)
+        o = tl.sum(S * q[None, :], axis=1)
+        tl.store(s_ptrs, S.to(state.dtype.element_ty), mask=mask_s)
+        tl.store(out_ptrs, o.to(out.dtype.element_ty), mask=mask_v)
+
+
+def _launch_config(batch: int, HV: int, V: int, K: int) -> tuple[int, int]:
+    """(BLOCK_V, num_warps), pinned ahead of time: no autotuning in a serving call.
+
+    Small batches split V finer so that enough programs stream the state.
+    """
+    block_v = 32 if batch * HV >= 256 else 16
+    block_v = min(block_v, triton.next_power_of_2(V))
+    return block_v, 4
+
+
+@register("packed_decode", "triton")
+def packed_decode_triton(mixed_qkv, a, b, A_log, dt_bias, state, slot_indices, out, *,
+                         scale, use_qk_l2norm, lower_bound):
+    B = mixed_qkv.shape[0]
+    _, HV, V, K = state.shape
+    H = reference.infer_packed_heads(mixed_qkv.shape[1], HV, V, K)
+    if B == 0:
+        return out
+    block_v, num_warps = _launch_config(B, HV, V, K)
+    grid = (triton.cdiv(V, block_v), HV, B)
+    _packed_decode_kernel[grid](
+        mixed_qkv, a, b, A_log, dt_bias, state, slot_indices, out,
+        mixed_qkv.stride(0), a.stride(0), b.stride(0), state.stride(0),
+        float(scale), float(lower_bound) if lower_bound is not None else 0.0,
+        H=H, HV=HV, K=K, V=V, BLOCK_K=triton.next_power_of_2(K), BLOCK_V=block_v,
+        USE_QK_L2NORM=bool(use_qk_l2norm), SAFE_GATE=lower_bound is not None,
+        num_warps=num_warps,
+    )
+    return out
+
+
+@register("packed_decode", "reference")
+def packed_decode_reference(mixed_qkv, a, b, A_log, dt_bias, state, slot_indices, out, *,
+                            scale, use_qk_l2norm, lower_bound):
+    return reference.packed_decode(mixed_qkv, a, b, A_log, dt_bias, state, slot_indices, out,
+                                   scale=scale, use_qk_l2norm=use_qk_l2norm, lower_bound=lower_bound)
+
+
+def packed_decode(mixed_qkv, a, b, A_log, dt_bias, state, slot_indices, out=None, *,
+                  scale=None, use_qk_l2norm=True, lower_bound=None, backend=None, full_checks=None):
+    """One-token KDA decode for ``B`` requests over ``state [slots, HV, V, K]``.
+
+    Updates ``state[slot_indices[i]]`` in place and returns ``out [B, 1, HV, V]``
+    (allocated in ``mixed_qkv``'s dtype when not given). ``scale`` defaults to
+    ``K ** -0.5``; ``lower_bound`` selects the safe gate.
+    """
+    if out is None:
+        out = (mixed_qkv.new_empty(mixed_qkv.shape[0], 1, state.shape[1], state.shape[2])
+               if mixed_qkv.dim() == 2 and state.dim() == 4 else mixed_qkv.new_empty(0))
+    contracts.check_packed_decode(mixed_qkv, a, b, A_log, dt_bias, state, out, slot_indices,
+                                  lower_bound=lower_bound, full_checks=full_checks)
+    scale = state.shape[-1] ** -0.5 if scale is None else scale
+    _, impl = select("packed_decode", mixed_qkv.device, backend)
+    return impl(mixed_qkv, a, b, A_log, dt_bias, state, slot_indices, out,
+                scale=scale, use_qk_l2norm=use_qk_l2norm, lower_bound=lower_bound)

@@ -1,0 +1,315 @@
+"""The PyTorch reference of every KDA serving op, written as the math of SPEC.md.
+
+Two jobs: it is the CPU backend of the public ops (``compute_dtype=float32``), and
+the oracle every kernel test compares against (``compute_dtype=float64``). Every
+function runs on any device. Pool-level functions update the pools they are
+given in place, exactly where the op documents it, and nothing else.
+
+Layouts (SPEC.md): state ``[slots, HV, V, K]`` V-major; conv window
+``[slots, C, W-1]`` oldest first; a slot index ``< 0`` is a padding row.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+L2_EPS = 1e-6
+
+
+# ----------------------------------------------------------------------------
+# The pieces of one token
+# ----------------------------------------------------------------------------
+def l2_normalize(x: torch.Tensor, eps: float = L2_EPS) -> torch.Tensor:
+    """``x / sqrt(sum(x²) + eps)`` over the last dim."""
+    return x / torch.sqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def softplus(x: torch.Tensor) -> torch.Tensor:
+    """``log(1 + e^x)`` for ``x <= 20``, ``x`` above (the threshold kernels use)."""
+    return torch.where(x <= 20.0, torch.log1p(torch.exp(torch.clamp(x, max=20.0))), x)
+
+
+def kda_gate(a, A_log, dt_bias, lower_bound=None):
+    """Log-decay ``g`` per key channel. ``a [..., HV, K]``, ``A_log [HV]``, ``dt_bias [HV, K]``.
+
+    default: ``g = -exp(A_log) * softplus(a + dt_bias)``;
+    safe gate (``lower_bound = L``): ``g = L * sigmoid(exp(A_log) * (a + dt_bias))``.
+    """
+    x = a + dt_bias
+    A = torch.exp(A_log)[:, None]
+    if lower_bound is None:
+        return -A * softplus(x)
+    return lower_bound * torch.sigmoid(A * x)
+
+
+def kda_beta(b):
+    """``β = sigmoid(b)``."""
+    return torch.sigmoid(b)
+
+
+def expand_to_value_heads(x, num_value_heads: int):
+    """Grouped value attention: value head ``hv`` reads key head ``hv // (HV // H)``."""
+    return x.repeat_interleave(num_value_heads // x.shape[-2], dim=-2)
+
+
+def delta_rule_step(S, q, k, v, g, beta):
+    """One token of the gated delta rule on a V-major state.
+
+    ``S [..., HV, V, K]``; ``q, k [..., HV, K]`` (already normalised and scaled);
+    ``v [..., HV, V]``; ``g [..., HV, K]`` log-decay; ``beta [..., HV]``.
+    Returns ``(o [..., HV, V], S_new)``.
+    """
+    S = S * torch.exp(g)[..., None, :]                               # S · diag(exp(g))
+    u = beta[..., None] * (v - (S @ k[..., :, None])[..., 0])        # β (v − S k̂)
+    S = S + u[..., :, None] * k[..., None, :]                        # S + u k̂ᵀ
+    o = (S @ q[..., :, None])[..., 0]                                # S q̂
+    return o, S
+
+
+def prepare_qk(q, k, num_value_heads, scale, use_qk_l2norm=True):
+    """L2 norm (when on), scale on q, and expansion of key heads to value heads."""
+    if use_qk_l2norm:
+        q, k = l2_normalize(q), l2_normalize(k)
+    return expand_to_value_heads(q * scale, num_value_heads), expand_to_value_heads(k, num_value_heads)
+
+
+def conv_step(x, window, weight, bias=None, activation_dtype=None):
+    """Causal short conv of one token with SiLU.
+
+    ``x [..., C]``; ``window [..., C, W-1]`` (oldest first); ``weight [C, W]``.
+    Returns ``(y [..., C], new_window)``; ``y`` is rounded to ``activation_dtype``
+    (as an unfused conv kernel stores it) and returned in the compute dtype.
+    """
+    y = (window * weight[:, :-1]).sum(-1) + weight[:, -1] * x
+    if bias is not None:
+        y = y + bias
+    y = F.silu(y)
+    if activation_dtype is not None:
+        y = y.to(activation_dtype).to(x.dtype)
+    return y, torch.cat([window[..., 1:], x[..., None]], dim=-1)
+
+
+def gated_rmsnorm(o, gate, weight, eps: float = 1e-6):
+    """``y = o · rsqrt(mean(o²) + eps) · w · sigmoid(gate)`` over the last dim."""
+    return o * torch.rsqrt((o * o).mean(-1, keepdim=True) + eps) * weight * torch.sigmoid(gate)
+
+
+def split_packed_qkv(mixed, H, K, HV, V):
+    """``[..., 2*H*K + HV*V]`` -> q ``[..., H, K]``, k ``[..., H, K]``, v ``[..., HV, V]``."""
+    lead = mixed.shape[:-1]
+    q, k, v = torch.split(mixed, [H * K, H * K, HV * V], dim=-1)
+    return q.reshape(*lead, H, K), k.reshape(*lead, H, K), v.reshape(*lead, HV, V)
+
+
+def infer_packed_heads(qkv_dim: int, HV: int, V: int, K: int) -> int:
+    """H from the packed width ``2*H*K + HV*V`` (the checks of contracts.py ran first)."""
+    return (qkv_dim - HV * V) // 2 // K
+
+
+def _default_scale(scale, K):
+    return K ** -0.5 if scale is None else scale
+
+
+def _live(slot_indices):
+    """Positions of the rows that are not padding, and their slots."""
+    rows = torch.nonzero(slot_indices >= 0).flatten()
+    return rows, slot_indices[rows].long()
+
+
+# ----------------------------------------------------------------------------
+# Ops over state pools (the CPU backend and the oracle)
+# ----------------------------------------------------------------------------
+def packed_decode(mixed_qkv, a, b, A_log, dt_bias, state, slot_indices, out, *,
+                  scale=None, use_qk_l2norm=True, lower_bound=None, compute_dtype=torch.float32):
+    """One token per request; ``state[slot_indices[i]]`` updated in place; ``out [B, 1, HV, V]``."""
+    _, HV, V, K = state.shape
+    H = infer_packed_heads(mixed_qkv.shape[-1], HV, V, K)
+    cd = compute_dtype
+    rows, slots = _live(slot_indices)
+    q, k, v = split_packed_qkv(mixed_qkv[rows].to(cd), H, K, HV, V)
+    q, k = prepare_qk(q, k, HV, _default_scale(scale, K), use_qk_l2norm)
+    g = kda_gate(a[rows].to(cd).view(-1, HV, K), A_log.to(cd), dt_bias.to(cd).view(HV, K), lower_bound)
+    o, S = delta_rule_step(state[slots].to(cd), q, k, v, g, kda_beta(b[rows].to(cd)))
+    state[slots] = S.to(state.dtype)
+    out.zero_()
+    out[rows, 0] = o.to(out.dtype)
+    return out
+
+
+def causal_conv1d_update(x, conv_state, weight, slot_indices, out, *, bias=None, compute_dtype=torch.float32):
+    """Short conv of one token per request with SiLU; ``conv_state[slot]`` shifted in place."""
+    cd = compute_dtype
+    rows, slots = _live(slot_indices)
+    y, window = conv_step(x[rows].to(cd), conv_state[slots].to(cd), weight.to(cd),
+                          None if bias is None else bias.to(cd), activation_dtype=out.dtype)
+    conv_state[slots] = window.to(conv_state.dtype)
+    out.zero_()
+    out[rows] = y.to(out.dtype)
+    return out
+
+
+def fused_decode(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, state, slot_indices, out, *,
+                 conv_bias=None, scale=None, lower_bound=None, norm_gate=None, norm_weight=None,
+                 norm_eps=1e-6, compute_dtype=torch.float32):
+    """Conv update + packed decode (L2 norm on) + optional gated RMSNorm, for one token."""
+    cd = compute_dtype
+    _, HV, V, K = state.shape
+    rows, slots = _live(slot_indices)
+    mixed, window = conv_step(qkv[rows].to(cd), conv_state[slots].to(cd), conv_weight.to(cd),
+                              None if conv_bias is None else conv_bias.to(cd), activation_dtype=qkv.dtype)
+    H = infer_packed_heads(qkv.shape[-1], HV, V, K)
+    q, k, v = split_packed_qkv(mixed, H, K, HV, V)
+    q, k = prepare_qk(q, k, HV, _default_scale(scale, K), True)
+    g = kda_gate(a[rows].to(cd).view(-1, HV, K), A_log.to(cd), dt_bias.to(cd).view(HV, K), lower_bound)
+    o, S = delta_rule_step(state[slots].to(cd), q, k, v, g, kda_beta(b[rows].to(cd)))
+    if norm_weight is not None:
+        o = gated_rmsnorm(o, norm_gate[rows].to(cd).view(-1, HV, V), norm_weight.to(cd), norm_eps)
+    state[slots] = S.to(state.dtype)
+    conv_state[slots] = window.to(conv_state.dtype)
+    out.zero_()
+    out[rows, 0] = o.to(out.dtype)
+    return out
+
+
+def recurrent_forward(q, k, v, g, beta, state, slot_indices, out, *, cu_seqlens=None, scale=None,
+                      use_qk_l2norm=True, A_log=None, dt_bias=None, lower_bound=None, beta_is_logit=False,
+                      token_states=None, write_final_state=True, compute_dtype=torch.float32):
+    """Varlen multi-token forward over ``[1, T, ...]`` inputs split by ``cu_seqlens``.
+
+    ``g`` is the log-decay, or the raw gate when ``A_log`` is given (gate in kernel);
+    ``beta`` is β, or its logit when ``beta_is_logit``. Sequence ``n`` starts from
+    ``state[slot_indices[n]]`` (zeros when the slot is < 0); its final state is
+    written back there when ``write_final_state``. ``token_states [T, HV, V, K]``,
+    when given, receives the state after every token.
+    """
+    cd = compute_dtype
+    _, T, H, K = q.shape
+    HV, V = v.shape[-2:]
+    if cu_seqlens is None:
+        cu_seqlens = torch.tensor([0, T])
+    scale = _default_scale(scale, K)
+    bounds = cu_seqlens.tolist()
+    for n in range(len(bounds) - 1):
+        slot = int(slot_indices[n])
+        S = state[slot].to(cd) if slot >= 0 else torch.zeros(HV, V, K, dtype=cd, device=q.device)
+        for t in range(bounds[n], bounds[n + 1]):
+            qt, kt = prepare_qk(q[0, t].to(cd), k[0, t].to(cd), HV, scale, use_qk_l2norm)
+            gt = g[0, t].to(cd)
+            if A_log is not None:
+                gt = kda_gate(gt, A_log.to(cd), dt_bias.to(cd).view(HV, K), lower_bound)
+            bt = kda_beta(beta[0, t].to(cd)) if beta_is_logit else beta[0, t].to(cd)
+            o, S = delta_rule_step(S, qt, kt, v[0, t].to(cd), gt, bt)
+            out[0, t] = o.to(out.dtype)
+            if token_states is not None:
+                token_states[t] = S.to(token_states.dtype)
+        if write_final_state and slot >= 0:
+            state[slot] = S.to(state.dtype)
+    return out
+
+
+def mtp_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, out, *,
+               conv_weights=None, conv_states=None, intermediate_conv=None, conv_bias=None,
+               snapshots=None, rings=None, scale=None, lower_bound=None, norm_gate=None,
+               norm_weight=None, norm_eps=1e-6, compute_dtype=torch.float32):
+    """Speculative verify of ``T = 1 + num_spec`` dense tokens per request.
+
+    ``q, k [N, T, H, K]``, ``v [N, T, HV, V]``, ``a [N, T, HV, K]`` raw gate,
+    ``b [N, T, HV]`` raw beta, ``out [N, T, HV, V]``. The persistent ``state`` and
+    ``conv_states`` are only read. With ``conv_weights = (w_q, w_k, w_v)`` the inputs
+    are pre-conv and the windows after step t go to ``intermediate_conv[i][row, t]``.
+    After step t: ``snapshots[row, t] = S`` or, with ``rings = (ring_k, ring_v,
+    ring_g, ring_beta)``, the step's post-conv k (before L2 norm), v, g and β at
+    ring position t of the request's slot. Padding rows (slot < 0): zero output.
+    """
+    cd = compute_dtype
+    N, T, H, K = q.shape
+    HV, V = v.shape[-2:]
+    scale = _default_scale(scale, K)
+    act = q.dtype
+    out.zero_()
+    rows, slots = _live(slot_indices)
+    if len(rows) == 0:
+        return out
+    scratch = scratch_indices[rows].long()
+    S = state[slots].to(cd)
+    xs = [q[rows].to(cd).flatten(2), k[rows].to(cd).flatten(2), v[rows].to(cd).flatten(2)]
+    if conv_weights is not None:
+        windows = [cs[slots].to(cd) for cs in conv_states]
+        biases = conv_bias if conv_bias is not None else (None, None, None)
+    for t in range(T):
+        x_t = [x[:, t] for x in xs]
+        if conv_weights is not None:
+            for i in range(3):
+                x_t[i], windows[i] = conv_step(x_t[i], windows[i], conv_weights[i].to(cd),
+                                               None if biases[i] is None else biases[i].to(cd),
+                                               activation_dtype=act)
+                intermediate_conv[i][scratch, t] = windows[i].to(intermediate_conv[i].dtype)
+        k_raw = x_t[1].view(-1, H, K)
+        v_t = x_t[2].view(-1, HV, V)
+        qh, kh = prepare_qk(x_t[0].view(-1, H, K), k_raw, HV, scale, True)
+        g_t = kda_gate(a[rows, t].to(cd), A_log.to(cd), dt_bias.to(cd).view(HV, K), lower_bound)
+        beta_t = kda_beta(b[rows, t].to(cd))
+        o, S = delta_rule_step(S, qh, kh, v_t, g_t, beta_t)
+        if norm_weight is not None:
+            o = gated_rmsnorm(o, norm_gate[rows, t].to(cd).view(-1, HV, V), norm_weight.to(cd), norm_eps)
+        out[rows, t] = o.to(out.dtype)
+        if rings is not None:
+            ring_k, ring_v, ring_g, ring_beta = rings
+            ring_k[slots, :, t] = k_raw.to(ring_k.dtype)
+            ring_v[slots, :, t] = v_t.to(ring_v.dtype)
+            ring_g[slots, :, t] = g_t.to(ring_g.dtype)
+            ring_beta[slots, :, t] = beta_t.to(ring_beta.dtype)
+        elif snapshots is not None:
+            snapshots[scratch, t] = S.to(snapshots.dtype)
+    return out
+
+
+def commit_snapshots(state, snapshots, slot_indices, scratch_indices, accepted_steps, *,
+                     conv_states=None, intermediate_conv=None):
+    """For each request with ``accepted_steps[n] >= 0`` and a live slot: copy snapshot
+    ``[row, s]`` (state, and conv windows when given) into its slot."""
+    keep = torch.nonzero((slot_indices >= 0) & (accepted_steps >= 0)).flatten()
+    slots = slot_indices[keep].long()
+    scratch = scratch_indices[keep].long()
+    steps = accepted_steps[keep].long()
+    if snapshots is not None:
+        state[slots] = snapshots[scratch, steps].to(state.dtype)
+    if conv_states is not None:
+        for pool, inter in zip(conv_states, intermediate_conv):
+            pool[slots] = inter[scratch, steps].to(pool.dtype)
+
+
+def commit_ring(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, accept_lens, *,
+                track_slots=None, track_steps=None, use_qk_l2norm=True, null_block_id=-1,
+                compute_dtype=torch.float32):
+    """Fold the accepted prefix (``accept_lens[n]`` steps, bonus token included) from the
+    rings into ``state[slot]`` in place. When ``track_slots`` is given and
+    ``0 <= track_steps[n] < accept_lens[n]``, the state after step ``track_steps[n]``
+    also goes to ``state[track_slots[n]]``. Rows with slot ``<= null_block_id`` or
+    ``accept_lens <= 0`` are skipped."""
+    cd = compute_dtype
+    HV, K = ring_g.shape[1], ring_g.shape[3]
+    for n in range(slot_indices.shape[0]):
+        slot, steps = int(slot_indices[n]), int(accept_lens[n])
+        if slot <= null_block_id or slot < 0 or steps <= 0:
+            continue
+        S = state[slot].to(cd)
+        track = int(track_steps[n]) if track_slots is not None else -1
+        for t in range(steps):
+            k_t = ring_k[slot, :, t].to(cd)
+            if use_qk_l2norm:
+                k_t = l2_normalize(k_t)
+            k_t = expand_to_value_heads(k_t, HV)
+            _, S = delta_rule_step(S, torch.zeros_like(k_t), k_t, ring_v[slot, :, t].to(cd),
+                                   ring_g[slot, :, t].to(cd), ring_beta[slot, :, t].to(cd))
+            if t == track and int(track_slots[n]) >= 0:
+                state[int(track_slots[n])] = S.to(state.dtype)
+        state[slot] = S.to(state.dtype)
+    del K
+
+
+def gated_rmsnorm_op(x, gate, weight, out, *, eps=1e-6, compute_dtype=torch.float32):
+    """Gated RMSNorm over the last dim of ``x``; writes ``out``."""
+    cd = compute_dtype
+    out.copy_(gated_rmsnorm(x.to(cd), gate.to(cd), weight.to(cd), eps).to(out.dtype))
+    return out

@@ -1,0 +1,51 @@
+"""Random inputs, poisoning and comparisons shared by the tests."""
+from __future__ import annotations
+
+import torch
+
+POISON = 1e30
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    if not torch.isfinite(out).all():
+        return float("inf")
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def assert_close(out, ref, tol, what="output"):
+    err = rel_err(out, ref)
+    assert err < tol, f"{what}: relative error {err:.3e} >= {tol:.1e}"
+
+
+def tol_for(*dtypes) -> float:
+    """float32 everywhere lands far under 1e-5; any 16-bit tensor in the chain ~1e-3..1e-2."""
+    return 1e-5 if all(d == torch.float32 for d in dtypes) else 2e-2
+
+
+def random_pool(slots, HV, V, K, dtype, *, slot_stride=None, generator=None):
+    """A state pool with random contents; ``slot_stride`` > HV*V*K gives an interleaved pool."""
+    inner = HV * V * K
+    stride = slot_stride or inner
+    flat = torch.randn(slots * stride, generator=generator).mul_(0.5).to(dtype)
+    return flat.as_strided((slots, HV, V, K), (stride, V * K, K, 1))
+
+
+def pick_slots(num_slots, batch, num_padding=0, generator=None):
+    """Distinct random slots, with ``num_padding`` rows set to -1 at random places."""
+    slots = torch.randperm(num_slots, generator=generator)[:batch].to(torch.int32)
+    if num_padding:
+        pad_rows = torch.randperm(batch, generator=generator)[:num_padding]
+        slots[pad_rows] = -1
+    return slots
+
+
+def untouched_slots(num_slots, slot_indices):
+    used = set(int(s) for s in slot_indices if int(s) >= 0)
+    return [s for s in range(num_slots) if s not in used]
+
+
+def kda_params(HV, K, *, dtype=torch.float32, generator=None):
+    A_log = torch.rand(HV, generator=generator).mul(2.0).sub(1.0).to(dtype)
+    dt_bias = torch.randn(HV * K, generator=generator).mul(0.5).to(dtype)
+    return A_log, dt_bias
