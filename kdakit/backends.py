@@ -9,10 +9,11 @@ the kernels.
 """
 from __future__ import annotations
 
-import os
 from typing import Callable
 
 import torch
+
+from .contracts import env_flag
 
 BACKENDS = ("reference", "triton", "helion")
 _DEVICE_PREFERENCE = {"cuda": ("triton", "reference")}
@@ -35,14 +36,14 @@ def available(op: str) -> tuple[str, ...]:
 
 
 def forced_backend() -> str | None:
-    name = os.environ.get("KDAKIT_BACKEND", "").strip().lower() or None
+    name = env_flag("KDAKIT_BACKEND").strip().lower() or None
     if name is not None and name not in BACKENDS:
         raise ValueError(f"KDAKIT_BACKEND={name!r} is not a kdakit backend; choose one of {', '.join(BACKENDS)}.")
     return name
 
 
 def triton_runs_on(device: torch.device) -> bool:
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    return device.type == "cuda" or env_flag("TRITON_INTERPRET") == "1"
 
 
 def select(op: str, device: torch.device, backend: str | None = None) -> tuple[str, Callable]:

@@ -1,0 +1,234 @@
+"""Packed decode on the GPU: correctness at real sizes, CUDA-graph capture, then timings.
+
+    python benchmarks/bench_packed_decode.py [--sweep] [--quick]
+
+Checks every variant against the float64 reference before timing it; times
+kdakit (pinned config, and a config sweep with --sweep), fla-core's serving path
+(`fused_recurrent_kda_fwd` with `ssm_state_indices`, in place, `state_v_first`),
+HBM-resident through harness.graph_time_us; writes JSON (harness.save).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+import harness  # noqa: E402
+
+import kdakit  # noqa: E402
+from kdakit import reference  # noqa: E402
+from kdakit.ops.packed_decode import packed_decode_triton  # noqa: E402
+
+
+def make_layer(N, H, HV, K, V, state_dtype, *, act_dtype=torch.bfloat16, spare_slots=None, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    slots = N + (spare_slots if spare_slots is not None else max(N, 2))
+    dev = "cuda"
+    layer = {
+        "mixed": torch.randn(N, 2 * H * K + HV * V, device=dev, generator=g).to(act_dtype),
+        "a": torch.randn(N, HV * K, device=dev, generator=g).to(act_dtype),
+        "b": torch.randn(N, HV, device=dev, generator=g).to(act_dtype),
+        "A_log": torch.rand(HV, device=dev, generator=g) * 2 - 1,
+        "dt_bias": torch.randn(HV * K, device=dev, generator=g) * 0.5,
+        "state": (torch.randn(slots, HV, V, K, device=dev, generator=g) * 0.5).to(state_dtype),
+        "idx": torch.randperm(slots, device=dev, generator=g)[:N].to(torch.int32),
+        "out": torch.empty(N, 1, HV, V, device=dev, dtype=act_dtype),
+    }
+    return layer
+
+
+def ref_decode(layer, lower_bound=None, use_qk_l2norm=True):
+    st = layer["state"].double()
+    out = torch.empty(layer["out"].shape, dtype=torch.float64, device="cuda")
+    reference.packed_decode(layer["mixed"].double(), layer["a"].double(), layer["b"].double(),
+                            layer["A_log"].double(), layer["dt_bias"].double(), st, layer["idx"], out,
+                            lower_bound=lower_bound, use_qk_l2norm=use_qk_l2norm, compute_dtype=torch.float64)
+    return out, st
+
+
+def rel(x, y):
+    x, y = x.double(), y.double()
+    return float((x - y).norm() / y.norm()) if torch.isfinite(x).all() else float("inf")
+
+
+def kdakit_call(layer, lower_bound=None, config=None):
+    if config is None:
+        return lambda: kdakit.packed_decode(layer["mixed"], layer["a"], layer["b"], layer["A_log"],
+                                            layer["dt_bias"], layer["state"], layer["idx"], layer["out"],
+                                            lower_bound=lower_bound)
+    K = layer["state"].shape[-1]
+    return lambda: packed_decode_triton(layer["mixed"], layer["a"], layer["b"], layer["A_log"], layer["dt_bias"],
+                                        layer["state"], layer["idx"], layer["out"], scale=K ** -0.5,
+                                        use_qk_l2norm=True, lower_bound=lower_bound, config=config)
+
+
+def fla_call(layer, H):
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+    N = layer["mixed"].shape[0]
+    _, HV, V, K = layer["state"].shape
+    q, k, v = reference.split_packed_qkv(layer["mixed"], H, K, HV, V)
+    q, k, v = (t.contiguous().view(N, 1, *t.shape[1:]) for t in (q, k, v))
+    gate = layer["a"].view(N, 1, HV, K)
+    beta = layer["b"].view(N, 1, HV)
+    out = torch.empty(N, 1, HV, V, device="cuda", dtype=layer["out"].dtype)
+    layer["fla_out"] = out
+
+    def call():
+        fused_recurrent_kda_fwd(q=q, k=k, v=v, g=gate, beta=beta, A_log=layer["A_log"], dt_bias=layer["dt_bias"],
+                                initial_state=layer["state"], scale=K ** -0.5, output_final_state=True,
+                                inplace_final_state=True, state_v_first=True, ssm_state_indices=layer["idx"],
+                                use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                                use_beta_sigmoid_in_kernel=True, out=out)
+    return call
+
+
+# ----------------------------------------------------------------------------
+def correctness(results):
+    """Real sizes against float64; unused slots and padding rows checked."""
+    cases = [  # (N, H, HV, K, V, state dtype, lower_bound, padding)
+        (1, 32, 32, 128, 128, torch.float32, None, 0),
+        (64, 32, 32, 128, 128, torch.float32, -5.0, 5),
+        (1024, 12, 12, 128, 128, torch.float32, None, 17),
+        (256, 32, 32, 128, 128, torch.bfloat16, None, 3),
+        (256, 32, 32, 128, 128, torch.float16, -1.0, 0),
+        (48, 4, 16, 128, 128, torch.float32, None, 2),
+        (48, 8, 8, 64, 256, torch.float32, None, 2),
+        (48, 8, 8, 256, 96, torch.float32, -2.0, 2),
+    ]
+    for N, H, HV, K, V, sd, lb, pad in cases:
+        layer = make_layer(N, H, HV, K, V, sd, seed=N + HV)
+        if pad:
+            layer["idx"][torch.randperm(N, device="cuda")[:pad]] = -1
+        before = layer["state"].clone()
+        ref_out, ref_state = ref_decode(layer, lb)
+        layer["out"].fill_(float("nan"))
+        kdakit_call(layer, lb)()
+        live = layer["idx"][layer["idx"] >= 0].long()
+        unused = torch.ones(layer["state"].shape[0], dtype=torch.bool, device="cuda")
+        unused[live] = False
+        ok_untouched = torch.equal(layer["state"][unused], before[unused])
+        pad_zero = bool((layer["out"][layer["idx"] < 0] == 0).all())
+        e_out, e_state = rel(layer["out"], ref_out), rel(layer["state"][live], ref_state[live])
+        tol = 1e-5 if sd == torch.float32 else 1e-2
+        ok = e_out < 2e-2 and e_state < tol and ok_untouched and pad_zero  # out is bf16
+        results["checks"].append({"case": f"N{N}-H{H}-HV{HV}-K{K}-V{V}-{str(sd)[6:]}-lb{lb}-pad{pad}",
+                                  "out_err": e_out, "state_err": e_state, "untouched": ok_untouched,
+                                  "padding_zero": pad_zero, "ok": ok})
+    # A pool of more than 2**31 elements: offsets must be 64-bit.
+    HV, K, V = 32, 128, 128
+    slots = (2 ** 31) // (HV * V * K) + 16
+    layer = make_layer(4, 32, HV, K, V, torch.float32, spare_slots=0)
+    layer["state"] = torch.randn(slots, HV, V, K, device="cuda")
+    layer["idx"] = torch.tensor([slots - 1, 3, slots - 9, slots - 2], device="cuda", dtype=torch.int32)
+    ref_out, ref_state = ref_decode(layer)
+    kdakit_call(layer)()
+    live = layer["idx"].long()
+    e = max(rel(layer["out"], ref_out), rel(layer["state"][live], ref_state[live]) * 1e3)
+    results["checks"].append({"case": f"pool-{slots}-slots-over-2^31-elements", "err": e, "ok": e < 2e-2})
+    del layer, ref_state
+    torch.cuda.empty_cache()
+    # CUDA graph: capture once, replay with new inputs, compare with eager.
+    layer = make_layer(16, 32, 32, 128, 128, torch.float32)
+    call = kdakit_call(layer)
+    harness.graph_time_us([call], replays=1)  # warm + capture path exercised
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    fresh = make_layer(16, 32, 32, 128, 128, torch.float32, seed=99)
+    for key in ("mixed", "a", "b", "A_log", "dt_bias", "state", "idx"):
+        layer[key].copy_(fresh[key])
+    graph.replay()
+    kdakit_call(fresh)()
+    ok = torch.equal(layer["out"], fresh["out"]) and torch.equal(layer["state"], fresh["state"])
+    results["checks"].append({"case": "cuda-graph-replay-new-inputs-bitwise-eager", "ok": ok})
+
+
+def timings(results, sweep: bool, quick: bool):
+    ceiling = results["copy_ceiling_GBps"]
+    batches = [1, 8, 32, 128, 512] if not quick else [8, 128]
+    configs = [(bv, w) for bv in (4, 8, 16, 32) for w in (1, 2)] if sweep else []
+    for HV, dtypes in ((32, (torch.float32, torch.bfloat16)), (12, (torch.float32,))):
+        H, K, V = HV, 128, 128
+        for sd in dtypes:
+            state_bytes = HV * V * K * sd.itemsize
+            for N in batches:
+                if sd != torch.float32 and N < 32:
+                    continue
+                num_layers = harness.layers_for(N * state_bytes)
+                layers = [make_layer(N, H, HV, K, V, sd, seed=i) for i in range(num_layers)]
+                moved = 2 * N * state_bytes
+                floor_us = moved / (ceiling * 1e3)
+                base = {"HV": HV, "N": N, "state": str(sd)[6:], "layers": num_layers, "floor_us": round(floor_us, 2)}
+                # check one layer of each implementation before timing it
+                ref_out, ref_state = ref_decode(layers[0])
+                snap = layers[0]["state"].clone()
+                variants = [("kdakit", None)] + [(f"kdakit-bv{bv}-w{w}", (bv, w)) for bv, w in configs
+                                                if HV == 32]
+                for name, cfg in variants:
+                    layers[0]["state"].copy_(snap)
+                    kdakit_call(layers[0], config=cfg)()
+                    live = layers[0]["idx"].long()
+                    err = max(rel(layers[0]["out"], ref_out), rel(layers[0]["state"][live], ref_state[live]))
+                    t = harness.graph_time_us([kdakit_call(layer, config=cfg) for layer in layers])
+                    results["rows"].append(harness.row(name, t, moved, ceiling, **base, err=round(err, 7)))
+                if sd == torch.float32:
+                    try:
+                        layers[0]["state"].copy_(snap)
+                        fla_call(layers[0], H)()
+                        live = layers[0]["idx"].long()
+                        err = max(rel(layers[0]["fla_out"], ref_out), rel(layers[0]["state"][live], ref_state[live]))
+                        t = harness.graph_time_us([fla_call(layer, H) for layer in layers])
+                        results["rows"].append(harness.row("fla", t, moved, ceiling, **base, err=round(err, 7)))
+                    except Exception as exc:  # the peer is optional on the device
+                        results["rows"].append({"name": "fla", **base, "error": repr(exc)[:200]})
+                del layers
+                torch.cuda.empty_cache()
+    # eager host cost of one call at N = 1 (validation included)
+    layer = make_layer(1, 32, 32, 128, 128, torch.float32)
+    results["eager_us_N1"] = {"kdakit": round(harness.eager_host_us(kdakit_call(layer)), 1)}
+    results["eager_us_N1"].update(eager_breakdown(layer))
+    try:
+        results["eager_us_N1"]["fla"] = round(harness.eager_host_us(fla_call(layer, 32)), 1)
+    except Exception as exc:
+        results["eager_us_N1"]["fla"] = repr(exc)[:200]
+
+
+def eager_breakdown(layer):
+    """Host µs of each piece of one eager call: contract checks, backend choice, Triton launch."""
+    from kdakit import backends, contracts
+    from kdakit.ops import packed_decode as mod
+    args = (layer["mixed"], layer["a"], layer["b"], layer["A_log"], layer["dt_bias"], layer["state"], layer["out"],
+            layer["idx"])
+    parts = {
+        "checks": lambda: contracts.check_packed_decode(*args),
+        "select": lambda: backends.select("packed_decode", layer["mixed"].device),
+        "triton_impl": kdakit_call(layer, config=(8, 1)),
+    }
+    return {name: round(harness.eager_host_us(fn, iters=2000), 2) for name, fn in parts.items()}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sweep", action="store_true", help="time every (BLOCK_V, num_warps) config too")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--name", default="packed_decode_h200")
+    args = parser.parse_args()
+    results = {"env": harness.environment(), "checks": [], "rows": []}
+    results["copy_ceiling_GBps"] = round(harness.copy_ceiling_gbps(), 1)
+    correctness(results)
+    bad = [c for c in results["checks"] if not c["ok"]]
+    timings(results, args.sweep, args.quick)
+    results["copy_ceiling_GBps_end"] = round(harness.copy_ceiling_gbps(), 1)
+    path = harness.save(results, args.name)
+    print(f"copy ceiling {results['copy_ceiling_GBps']} GB/s (end {results['copy_ceiling_GBps_end']}); saved {path}")
+    print("eager us/call N=1:", results["eager_us_N1"])
+    harness.print_table(results["checks"], ["case", "ok", "out_err", "state_err", "err"])
+    harness.print_table(results["rows"], ["name", "HV", "N", "state", "us", "floor_us", "GB/s", "pct_of_copy", "err"])
+    print("CHECKS FAILED:" if bad else "all checks ok", [c["case"] for c in bad])
+
+
+if __name__ == "__main__":
+    main()
