@@ -73,6 +73,12 @@ def check_float_dtype(name: str, t: torch.Tensor, allowed=ACTIVATION_DTYPES) -> 
                      f"{[str(d).replace('torch.', '') for d in allowed]} (got {t.dtype}).")
 
 
+def check_float_dtypes(**tensors) -> None:
+    for name, t in tensors.items():
+        if t.dtype not in ACTIVATION_DTYPES:
+            check_float_dtype(name, t)
+
+
 def check_index_dtype(name: str, t: torch.Tensor) -> None:
     if not (t.dtype in (torch.int32, torch.int64)):
         raise ValueError(f"`{name}` must be an int32 or int64 tensor (got {t.dtype}).")
@@ -166,12 +172,10 @@ def check_packed_decode(mixed_qkv, a, b, A_log, dt_bias, initial_state, out, ssm
     # Beyond the sglang contract: what a kernel would otherwise silently get wrong.
     check_state_pool(initial_state)
     check_head_dims(K, V)
-    for name, t in (("mixed_qkv", mixed_qkv), ("a", a), ("b", b), ("out", out)):
-        check_float_dtype(name, t)
-    check_float_dtype("A_log", A_log)
-    check_float_dtype("dt_bias", dt_bias)
+    check_float_dtypes(mixed_qkv=mixed_qkv, a=a, b=b, out=out, A_log=A_log, dt_bias=dt_bias)
     check_index_dtype("ssm_state_indices", ssm_state_indices)
     check_lower_bound(lower_bound)
-    check_slot_values("ssm_state_indices", ssm_state_indices, initial_state.shape[0], full_checks=full_checks)
-    check_finite(full_checks, A_log=A_log, dt_bias=dt_bias)
+    if full_checks_enabled(full_checks):
+        check_slot_values("ssm_state_indices", ssm_state_indices, initial_state.shape[0], full_checks=True)
+        check_finite(True, A_log=A_log, dt_bias=dt_bias)
     return H

@@ -128,3 +128,34 @@ def test_sglang_compat_returns_callers_objects(backend, monkeypatch):
     assert o is out and s is state
     assert_close(out, ref_out, 1e-5)
     assert_close(state, ref_state, 1e-5)
+
+
+@pytest.mark.parametrize("config", [(8, 2, 1, 2, ""), (4, 4, 1, 1, "evict_first")], ids=["bv8-tiles2", "bv4-tiles4"])
+def test_triton_multi_tile_configs(config):
+    """Configs the benchmark sweeps (several V tiles per program) compute the same thing."""
+    from kdakit.ops import packed_decode as mod
+    gen = torch.Generator().manual_seed(8)
+    B, H, HV, K, V = 3, 1, 2, 16, 40
+    mixed = torch.randn(B, 2 * H * K + HV * V, generator=gen)
+    a, b = torch.randn(B, HV * K, generator=gen), torch.randn(B, HV, generator=gen)
+    A_log, dt_bias = kda_params(HV, K, generator=gen)
+    state = torch.randn(5, HV, V, K, generator=gen)
+    idx = torch.tensor([4, -1, 1], dtype=torch.int32)
+    ref_state, ref_out = state.double(), torch.empty(B, 1, HV, V, dtype=torch.float64)
+    reference.packed_decode(mixed.double(), a.double(), b.double(), A_log.double(), dt_bias.double(), ref_state,
+                            idx, ref_out, compute_dtype=torch.float64)
+    out = torch.full((B, 1, HV, V), POISON)
+    mod.packed_decode_triton(mixed, a, b, A_log, dt_bias, state, idx, out, scale=K ** -0.5, use_qk_l2norm=True,
+                             lower_bound=None, config=config)
+    assert_close(out, ref_out, 1e-5)
+    assert_close(state, ref_state, 1e-5)
+
+
+def test_launch_specialization_key_tracks_alignment_and_ints():
+    from kdakit.ops.launch import specialization_key
+    t = torch.zeros(64)
+    assert specialization_key((t, 1, 32, 0.5)) != specialization_key((t[1:], 1, 32, 0.5))  # 4-byte offset
+    assert specialization_key((t, 1)) != specialization_key((t, 2))
+    assert specialization_key((t, 16)) != specialization_key((t, 17))
+    assert specialization_key((t, 2 ** 31)) != specialization_key((t, 2 ** 31 - 16))
+    assert specialization_key((t.bfloat16(),)) != specialization_key((t,))

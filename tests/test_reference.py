@@ -50,7 +50,7 @@ def assert_untouched(pool, before, idx, what):
 
 # (H, HV, K, V): GVA and K != V in every list.
 SHAPES = [
-    pytest.param(1, 2, 16, 24, id="gva-H1-HV2-K16-V24"),
+    pytest.param(2, 4, 16, 24, id="gva-H2-HV4-K16-V24"),
     pytest.param(2, 2, 24, 16, id="H2-HV2-K24-V16"),
 ]
 ACT_DTYPES = [pytest.param(F64, id="f64-act"), pytest.param(torch.bfloat16, id="bf16-act")]
@@ -395,7 +395,7 @@ def test_speculative_loop_commits_agree_with_plain_decode(act_dtype, lower_bound
     conv windows); copy B commits the rings plus the conv windows from snapshots. Both must equal
     plain decoding of the accepted tokens only."""
     gen = torch.Generator().manual_seed(31)
-    H, HV, K, V = 1, 2, 16, 24
+    H, HV, K, V = 2, 4, 16, 24
     N, T, slots, rounds = 4, 3, 7, 4
     model = make_model(gen, H, HV, K, V, slots, act_dtype)
     idx = pick_slots(slots, N, num_padding=1, generator=gen)
