@@ -1,0 +1,273 @@
+"""Commit of accepted speculative tokens into the persistent pools.
+
+``commit_snapshots``: copy the accepted step's snapshot (and conv windows) into
+the slot. ``commit_ring``: replay the accepted prefix from the rings into the
+slot's state in place (one read and one write of each committed state), with an
+optional track slot that receives the state after step ``track_steps[n]``. A
+state pool with a leading layer dimension commits every layer in one launch.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import contracts, reference
+from ..backends import register, select
+from .launch import CachedKernel
+from .mtp_verify import verify_block_v
+from .triton_math import delta_rule_update, l2_normalize
+
+
+@triton.jit
+def _commit_ring_kernel(
+    state, ring_k, ring_v, ring_g, ring_beta, slot_indices, accept_lens, track_slots, track_steps,
+    s_state_layer, s_state_slot, s_rk_layer, s_rk_slot, s_rv_layer, s_rv_slot, s_rg_layer, s_rg_slot,
+    s_rb_layer, s_rb_slot, ring_len, null_block_id,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, USE_QK_L2NORM: tl.constexpr, TRACK: tl.constexpr,
+):
+    # Same tile shape and the same device functions as the verify kernel, so the
+    # replayed state rounds exactly like the verify's snapshot of the same step.
+    i_v, i_layer_hv, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    layer = (i_layer_hv // HV).to(tl.int64)
+    i_hv = i_layer_hv % HV
+    i_h = i_hv // (HV // H)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_v = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask_k = offs_k < K
+    mask_v = offs_v < V
+    slot = tl.load(slot_indices + i_n).to(tl.int64)
+    steps = tl.load(accept_lens + i_n).to(tl.int32)
+    active = (slot > null_block_id) & (slot >= 0) & (steps > 0)
+    num_steps = tl.where(active, steps, 0)
+    mask_s = active & (mask_v[:, None] & mask_k[None, :])
+    tile = i_hv * V * K + offs_v[:, None] * K + offs_k[None, :]
+    s_ptrs = state + layer * s_state_layer + slot * s_state_slot + tile
+    S = tl.load(s_ptrs, mask=mask_s, other=0.0).to(tl.float32)
+    if TRACK:
+        track_slot = tl.load(track_slots + i_n).to(tl.int64)
+        track_step = tl.load(track_steps + i_n).to(tl.int32)
+        track_mask = mask_s & (track_slot > null_block_id) & (track_slot >= 0)
+        track_ptrs = state + layer * s_state_layer + track_slot * s_state_slot + tile
+
+    rk = ring_k + layer * s_rk_layer + slot * s_rk_slot + i_h * ring_len * K + offs_k
+    rv = ring_v + layer * s_rv_layer + slot * s_rv_slot + i_hv * ring_len * V + offs_v
+    rg = ring_g + layer * s_rg_layer + slot * s_rg_slot + i_hv * ring_len * K + offs_k
+    rb = ring_beta + layer * s_rb_layer + slot * s_rb_slot + i_hv * ring_len
+    t = 0
+    while t < num_steps:  # a loaded bound: `while` runs in the interpreter and compiled alike
+        k_t = tl.load(rk + t * K, mask=mask_k, other=0.0).to(tl.float32)
+        if USE_QK_L2NORM:
+            k_t = l2_normalize(k_t)
+        v_t = tl.load(rv + t * V, mask=mask_v, other=0.0).to(tl.float32)
+        g_t = tl.load(rg + t * K, mask=mask_k, other=0.0).to(tl.float32)
+        beta_t = tl.load(rb + t).to(tl.float32)
+        S = delta_rule_update(S, k_t, v_t, g_t, beta_t)
+        if TRACK:
+            tl.store(track_ptrs, S.to(state.dtype.element_ty), mask=track_mask & (t == track_step))
+        t += 1
+    tl.store(s_ptrs, S.to(state.dtype.element_ty), mask=mask_s)
+
+
+@triton.jit
+def _gather_copy_kernel(
+    src, dst, slot_indices, scratch_indices, accepted_steps,
+    s_src_row, s_src_step, s_src_r, s_src_c, s_dst_slot, s_dst_r, s_dst_c,
+    ROWS: tl.constexpr, COLS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    # dst[slot, r, c] = src[row, step, r, c] for requests with a live slot and step >= 0.
+    i_r, i_n = tl.program_id(0), tl.program_id(1)
+    slot = tl.load(slot_indices + i_n).to(tl.int64)
+    row = tl.load(scratch_indices + i_n).to(tl.int64)
+    step = tl.load(accepted_steps + i_n).to(tl.int64)
+    active = (slot >= 0) & (step >= 0)
+    offs_r = i_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_c = tl.arange(0, BLOCK_C)
+    mask = active & (offs_r[:, None] < ROWS) & (offs_c[None, :] < COLS)
+    src_ptrs = src + row * s_src_row + step * s_src_step + offs_r[:, None] * s_src_r + offs_c[None, :] * s_src_c
+    vals = tl.load(src_ptrs, mask=mask, other=0.0)
+    dst_ptrs = dst + slot * s_dst_slot + offs_r[:, None] * s_dst_r + offs_c[None, :] * s_dst_c
+    tl.store(dst_ptrs, vals.to(dst.dtype.element_ty), mask=mask)
+
+
+_commit_ring = CachedKernel(_commit_ring_kernel)
+_gather_copy = CachedKernel(_gather_copy_kernel)
+
+
+# ----------------------------------------------------------------------------
+# Ring commit
+# ----------------------------------------------------------------------------
+@register("commit_ring", "triton")
+def commit_ring_triton(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, accept_lens, *, track_slots,
+                       track_steps, use_qk_l2norm, null_block_id):
+    layered = state.dim() == 5
+    if not layered:
+        state, ring_k, ring_v, ring_g, ring_beta = (t.unsqueeze(0) for t in (state, ring_k, ring_v, ring_g,
+                                                                            ring_beta))
+    num_layers, _, HV, V, K = state.shape
+    H, ring_len = ring_k.shape[2], ring_k.shape[3]
+    N = slot_indices.shape[0]
+    if N == 0 or num_layers == 0:
+        return
+    block_v, num_warps = verify_block_v(V, K, norm=False)
+    track = track_slots is not None
+    grid = (triton.cdiv(V, block_v), num_layers * HV, N)
+    _commit_ring(grid, (
+        state, ring_k, ring_v, ring_g, ring_beta, slot_indices, accept_lens,
+        track_slots if track else slot_indices, track_steps if track else accept_lens,
+        state.stride(0) if layered else 0, state.stride(1),
+        ring_k.stride(0) if layered else 0, ring_k.stride(1), ring_v.stride(0) if layered else 0, ring_v.stride(1),
+        ring_g.stride(0) if layered else 0, ring_g.stride(1), ring_beta.stride(0) if layered else 0,
+        ring_beta.stride(1), ring_len, int(null_block_id)),
+        dict(H=H, HV=HV, K=K, V=V, BLOCK_K=triton.next_power_of_2(K), BLOCK_V=block_v,
+             USE_QK_L2NORM=bool(use_qk_l2norm), TRACK=track), num_warps=num_warps, num_stages=1)
+
+
+@register("commit_ring", "reference")
+def commit_ring_reference(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, accept_lens, **kwargs):
+    if state.dim() == 4:
+        return reference.commit_ring(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, accept_lens, **kwargs)
+    for layer in range(state.shape[0]):
+        reference.commit_ring(state[layer], ring_k[layer], ring_v[layer], ring_g[layer], ring_beta[layer],
+                              slot_indices, accept_lens, **kwargs)
+
+
+def _fail(message: str):
+    raise ValueError(message)
+
+
+def check_commit_ring(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, accept_lens, track_slots,
+                      track_steps, full_checks=None):
+    lead = state.dim() - 4
+    if lead not in (0, 1):
+        _fail(f"`state` must be [slots, HV, V, K] or, for every layer at once, [layers, slots, HV, V, K] "
+              f"(got shape {tuple(state.shape)}).")
+    pool = state[0] if lead else state
+    contracts.check_state_pool(pool, "state")
+    if lead and state.stride(1) < pool.shape[1] * pool.shape[2] * pool.shape[3]:
+        _fail("`state` slots overlap: slot stride < HV*V*K.")
+    layers = tuple(state.shape[:lead])
+    slots, HV, V, K = pool.shape
+    contracts.check_head_dims(K, V)
+    if ring_k.dim() != 4 + lead:
+        _fail(f"`ring_k` must be {'[layers, ' if lead else '['}slots, H, L, K] (got shape {tuple(ring_k.shape)}).")
+    H, L = ring_k.shape[lead + 1], ring_k.shape[lead + 2]
+    want = {"ring_k": layers + (slots, H, L, K), "ring_v": layers + (slots, HV, L, V),
+            "ring_g": layers + (slots, HV, L, K), "ring_beta": layers + (slots, HV, L)}
+    for (name, shape), t in zip(want.items(), (ring_k, ring_v, ring_g, ring_beta)):
+        inner_ok = t.stride(-1) == 1 and (t.dim() - lead == 3 and t.stride(-2) == L or t.dim() - lead == 4
+                                          and t.stride(-2) == t.shape[-1] and t.stride(-3) == L * t.shape[-1])
+        if tuple(t.shape) != shape or not inner_ok:
+            _fail(f"`{name}` must be {shape} with contiguous [heads, L, ...] per slot (got {tuple(t.shape)}).")
+    if H == 0 or HV % H:
+        _fail(f"value heads must be a multiple of key heads (got H={H}, HV={HV}).")
+    N = slot_indices.shape[0] if slot_indices.dim() == 1 else -1
+    for name, t in (("slot_indices", slot_indices), ("accept_lens", accept_lens)) + (
+            (("track_slots", track_slots), ("track_steps", track_steps)) if track_slots is not None else ()):
+        if t.dim() != 1 or t.shape[0] != N:
+            _fail(f"`{name}` must be 1-D with one entry per request ({N}) (got shape {tuple(t.shape)}).")
+        contracts.check_index_dtype(name, t)
+    if (track_slots is None) != (track_steps is None):
+        _fail("tracking needs `track_slots` and `track_steps` together.")
+    if ring_g.dtype != torch.float32 or ring_beta.dtype != torch.float32:
+        _fail(f"`ring_g` and `ring_beta` must be float32 (got {ring_g.dtype}, {ring_beta.dtype}).")
+    contracts.check_float_dtypes(ring_k=ring_k, ring_v=ring_v)
+    contracts.check_same_device(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, accept_lens, track_slots,
+                                track_steps)
+    if contracts.full_checks_enabled(full_checks):
+        contracts.check_slot_values("slot_indices", slot_indices, slots, full_checks=True)
+        if int(accept_lens.max(initial=0)) > L:
+            _fail(f"`accept_lens` holds {int(accept_lens.max())}, more steps than the rings hold (L={L}).")
+
+
+def commit_ring(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, accept_lens, *, track_slots=None,
+                track_steps=None, use_qk_l2norm=True, null_block_id=-1, backend=None, full_checks=None):
+    """Fold ``accept_lens[n]`` ring steps (bonus token included) into ``state[slot_indices[n]]``.
+
+    Rings ``ring_k [slots, H, L, K]`` (k before its L2 norm), ``ring_v [slots, HV, L, V]``,
+    ``ring_g [slots, HV, L, K]`` (log-decay, float32), ``ring_beta [slots, HV, L]`` (float32),
+    as ``mtp_verify`` writes them. With ``track_slots``/``track_steps`` the state after step
+    ``track_steps[n]`` (0-based, when < accept_lens[n]) also goes to ``state[track_slots[n]]``.
+    Rows with slot ``<= null_block_id`` (or < 0) or ``accept_lens <= 0`` are skipped. Every
+    tensor may carry a leading layer dimension: all layers commit in one launch.
+    """
+    check_commit_ring(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, accept_lens, track_slots,
+                      track_steps, full_checks)
+    _, impl = select("commit_ring", state.device, backend)
+    impl(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, accept_lens, track_slots=track_slots,
+         track_steps=track_steps, use_qk_l2norm=use_qk_l2norm, null_block_id=null_block_id)
+
+
+# ----------------------------------------------------------------------------
+# Snapshot commit
+# ----------------------------------------------------------------------------
+def _gather_copy_launch(src, dst, slot_indices, scratch_indices, accepted_steps, rows, cols,
+                        src_rc_strides, dst_rc_strides):
+    block_c = triton.next_power_of_2(cols)
+    block_r = max(1, min(triton.next_power_of_2(rows), 4096 // block_c))
+    grid = (triton.cdiv(rows, block_r), slot_indices.shape[0])
+    _gather_copy(grid, (src, dst, slot_indices, scratch_indices, accepted_steps, src.stride(0), src.stride(1),
+                        *src_rc_strides, dst.stride(0), *dst_rc_strides),
+                 dict(ROWS=rows, COLS=cols, BLOCK_R=block_r, BLOCK_C=block_c), num_warps=4, num_stages=1)
+
+
+@register("commit_snapshots", "triton")
+def commit_snapshots_triton(state, snapshots, slot_indices, scratch_indices, accepted_steps, *, conv_states,
+                            intermediate_conv):
+    if slot_indices.shape[0] == 0:
+        return
+    if snapshots is not None:
+        _, HV, V, K = state.shape
+        _gather_copy_launch(snapshots, state, slot_indices, scratch_indices, accepted_steps, HV * V, K,
+                            (K, 1), (K, 1))
+    for pool, inter in zip(conv_states or (), intermediate_conv or ()):
+        _gather_copy_launch(inter, pool, slot_indices, scratch_indices, accepted_steps, pool.shape[1],
+                            pool.shape[2], (inter.stride(2), inter.stride(3)), (pool.stride(1), pool.stride(2)))
+
+
+@register("commit_snapshots", "reference")
+def commit_snapshots_reference(state, snapshots, slot_indices, scratch_indices, accepted_steps, **kwargs):
+    reference.commit_snapshots(state, snapshots, slot_indices, scratch_indices, accepted_steps, **kwargs)
+
+
+def commit_snapshots(state, snapshots, slot_indices, scratch_indices, accepted_steps, *, conv_states=None,
+                     intermediate_conv=None, backend=None, full_checks=None):
+    """For each request with a live slot and ``accepted_steps[n] >= 0``, copy snapshot
+    ``snapshots[scratch_indices[n], accepted_steps[n]]`` into ``state[slot_indices[n]]``, and
+    the conv windows ``intermediate_conv[i][row, step]`` into ``conv_states[i][slot]``.
+    ``snapshots=None`` commits the conv windows only (after a ring commit of the state)."""
+    N = slot_indices.shape[0] if slot_indices.dim() == 1 else -1
+    for name, t in (("slot_indices", slot_indices), ("scratch_indices", scratch_indices),
+                    ("accepted_steps", accepted_steps)):
+        if t.dim() != 1 or t.shape[0] != N:
+            _fail(f"`{name}` must be 1-D with one entry per request ({N}) (got shape {tuple(t.shape)}).")
+        contracts.check_index_dtype(name, t)
+    tensors = [state, slot_indices, scratch_indices, accepted_steps]
+    if snapshots is not None:
+        contracts.check_state_pool(state, "state")
+        if (snapshots.dim() != 5 or tuple(snapshots.shape[2:]) != tuple(state.shape[1:])
+                or snapshots.stride(4) != 1 or snapshots.stride(3) != state.shape[3]
+                or snapshots.stride(2) != state.shape[2] * state.shape[3]):
+            _fail(f"`snapshots` must be [scratch, L, {', '.join(map(str, state.shape[1:]))}] with contiguous "
+                  f"inner dims (got {tuple(snapshots.shape)}).")
+        tensors.append(snapshots)
+    if (conv_states is None) != (intermediate_conv is None):
+        _fail("conv windows need `conv_states` and `intermediate_conv` together.")
+    for i, (pool, inter) in enumerate(zip(conv_states or (), intermediate_conv or ())):
+        if pool.dim() != 3 or inter.dim() != 4 or tuple(inter.shape[2:]) != tuple(pool.shape[1:]):
+            _fail(f"conv pool {i} must be [slots, C, W-1] and its intermediate [scratch, L, C, W-1] "
+                  f"(got {tuple(pool.shape)} and {tuple(inter.shape)}).")
+        tensors += [pool, inter]
+    if snapshots is None and conv_states is None:
+        _fail("nothing to commit: pass `snapshots`, or `conv_states` with `intermediate_conv`.")
+    contracts.check_same_device(*tensors)
+    if contracts.full_checks_enabled(full_checks):
+        contracts.check_slot_values("slot_indices", slot_indices, state.shape[0], full_checks=True)
+        steps = accepted_steps[slot_indices >= 0]
+        L = (snapshots if snapshots is not None else intermediate_conv[0]).shape[1]
+        if steps.numel() and int(steps.max()) >= L:
+            _fail(f"`accepted_steps` holds {int(steps.max())}, past the {L} steps a scratch row holds.")
+    _, impl = select("commit_snapshots", state.device, backend)
+    impl(state, snapshots, slot_indices, scratch_indices, accepted_steps, conv_states=conv_states,
+         intermediate_conv=intermediate_conv)

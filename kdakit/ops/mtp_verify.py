@@ -1,0 +1,343 @@
+"""Speculative (MTP) verify: ``T = 1 + num_spec`` dense tokens per request.
+
+Each request starts from its slot's state and conv windows, which stay
+read-only. After step ``t`` the kernel writes either a full snapshot
+``snapshots[row, t]`` or, in ring mode, the step's raw inputs (post-conv k
+before its L2 norm, v, log-decay g, β) at ring position ``t`` of the slot, so a
+later commit can replay any accepted prefix. Conv windows after step ``t`` go to
+``intermediate_conv[i][row, t]``. ``row = scratch_indices[n]``.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import contracts, reference
+from ..backends import register, select
+from .launch import CachedKernel
+from .triton_math import delta_rule_update, gated_rmsnorm_rows, kda_log_decay, l2_normalize
+
+
+@triton.jit
+def _conv_input_at(x, stride_x_t, window, stride_win_c, stride_win_w, ch, mask, window_mask,
+                   e: tl.constexpr, W: tl.constexpr):
+    """Position ``e`` of the sequence [persistent window (W-1 values), x_0, x_1, ...]."""
+    if e < W - 1:
+        val = tl.load(window + ch * stride_win_c + e * stride_win_w, mask=window_mask, other=0.0)
+    else:
+        val = tl.load(x + (e - (W - 1)) * stride_x_t + ch, mask=mask, other=0.0)
+    return val.to(tl.float32)
+
+
+@triton.jit
+def _conv_silu_at(x, stride_x_t, window, stride_win_c, stride_win_w, weight, bias, ch, mask, window_mask,
+                  t: tl.constexpr, W: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """SiLU of the causal conv at step ``t``; the caller rounds it to the activation dtype."""
+    acc = tl.zeros_like(ch.to(tl.float32))
+    for j in tl.static_range(W):
+        w = tl.load(weight + ch * W + j, mask=mask, other=0.0)
+        acc += w * _conv_input_at(x, stride_x_t, window, stride_win_c, stride_win_w, ch, mask, window_mask,
+                                  t + j, W)
+    if HAS_BIAS:
+        acc += tl.load(bias + ch, mask=mask, other=0.0)
+    return acc * tl.sigmoid(acc)
+
+
+@triton.jit
+def _store_window_after(dst, x, stride_x_t, window, stride_win_c, stride_win_w, ch, mask, window_mask,
+                        store_mask, t: tl.constexpr, W: tl.constexpr):
+    """The window after step ``t`` (positions t+1 .. t+W-1), into a contiguous [C, W-1] block."""
+    for p in tl.static_range(W - 1):
+        val = _conv_input_at(x, stride_x_t, window, stride_win_c, stride_win_w, ch, mask, window_mask,
+                             t + 1 + p, W)
+        tl.store(dst + ch * (W - 1) + p, val.to(dst.dtype.element_ty), mask=store_mask)
+
+
+@triton.jit
+def _mtp_verify_kernel(
+    q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, out,
+    w_q, w_k, w_v, bias_q, bias_k, bias_v,
+    cs_q, cs_k, cs_v, ic_q, ic_k, ic_v,
+    snapshots, ring_k, ring_v, ring_g, ring_beta, norm_gate, norm_weight,
+    stride_state_slot,
+    s_csq_slot, s_csq_c, s_csq_w, s_csk_slot, s_csk_c, s_csk_w, s_csv_slot, s_csv_c, s_csv_w,
+    s_icq_row, s_icq_t, s_ick_row, s_ick_t, s_icv_row, s_icv_t,
+    s_snap_row, s_snap_t,
+    s_rk_slot, s_rv_slot, s_rg_slot, s_rb_slot, ring_len,
+    scale, lower_bound, norm_eps,
+    T: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    HAS_CONV: tl.constexpr, HAS_CONV_BIAS: tl.constexpr, SNAPSHOT: tl.constexpr, RING: tl.constexpr,
+    NORM: tl.constexpr, SAFE_GATE: tl.constexpr,
+):
+    # One program: BLOCK_V state rows of one (request, value head), carried in
+    # registers through all T steps. Data shared by the programs of a key head
+    # (k ring, q/k windows) has one writer: the first value head of the group, V tile 0.
+    i_v, i_hv, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    G: tl.constexpr = HV // H
+    i_h = i_hv // G
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_v = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask_k = offs_k < K
+    mask_v = offs_v < V
+    slot = tl.load(slot_indices + i_n).to(tl.int64)
+    row = tl.load(scratch_indices + i_n).to(tl.int64)
+    live = slot >= 0  # padding rows: zero output, nothing else read or written
+    writes_head = live & (i_v == 0)
+    writes_key_head = writes_head & (i_hv % G == 0)
+    mask_s = live & (mask_v[:, None] & mask_k[None, :])
+    s_ptrs = state + slot * stride_state_slot + i_hv * V * K + offs_v[:, None] * K + offs_k[None, :]
+    S = tl.load(s_ptrs, mask=mask_s, other=0.0).to(tl.float32)
+
+    n64 = i_n.to(tl.int64)
+    x_q = q + n64 * T * H * K                     # this request's token 0, channel 0
+    x_k = k + n64 * T * H * K
+    x_v = v + n64 * T * HV * V
+    ch_qk = i_h * K + offs_k                      # channel index inside the q / k convs
+    ch_v = i_hv * V + offs_v
+    A_log_h = tl.load(A_log + i_hv).to(tl.float32)
+    bias = tl.load(dt_bias + i_hv * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+    if NORM:
+        w_norm = tl.load(norm_weight + offs_v, mask=mask_v, other=0.0).to(tl.float32)
+
+    for t in tl.static_range(T):
+        if HAS_CONV:
+            win_q = cs_q + slot * s_csq_slot
+            win_k = cs_k + slot * s_csk_slot
+            win_v = cs_v + slot * s_csv_slot
+            q_t = _conv_silu_at(x_q, H * K, win_q, s_csq_c, s_csq_w, w_q, bias_q, ch_qk, mask_k,
+                                live & mask_k, t, W, HAS_CONV_BIAS)
+            k_t = _conv_silu_at(x_k, H * K, win_k, s_csk_c, s_csk_w, w_k, bias_k, ch_qk, mask_k,
+                                live & mask_k, t, W, HAS_CONV_BIAS)
+            v_t = _conv_silu_at(x_v, HV * V, win_v, s_csv_c, s_csv_w, w_v, bias_v, ch_v, mask_v,
+                                live & mask_v, t, W, HAS_CONV_BIAS)
+            # Post-conv values are stored in the activation dtype by an unfused conv: round alike.
+            q_t = q_t.to(q.dtype.element_ty).to(tl.float32)
+            k_t = k_t.to(q.dtype.element_ty).to(tl.float32)
+            v_t = v_t.to(q.dtype.element_ty).to(tl.float32)
+            _store_window_after(ic_q + row * s_icq_row + t * s_icq_t, x_q, H * K, win_q, s_csq_c,
+                                s_csq_w, ch_qk, mask_k, live & mask_k, writes_key_head & mask_k, t, W)
+            _store_window_after(ic_k + row * s_ick_row + t * s_ick_t, x_k, H * K, win_k, s_csk_c,
+                                s_csk_w, ch_qk, mask_k, live & mask_k, writes_key_head & mask_k, t, W)
+            _store_window_after(ic_v + row * s_icv_row + t * s_icv_t, x_v, HV * V, win_v, s_csv_c,
+                                s_csv_w, ch_v, mask_v, live & mask_v, live & mask_v, t, W)
+        else:
+            q_t = tl.load(x_q + t * H * K + ch_qk, mask=mask_k, other=0.0).to(tl.float32)
+            k_t = tl.load(x_k + t * H * K + ch_qk, mask=mask_k, other=0.0).to(tl.float32)
+            v_t = tl.load(x_v + t * HV * V + ch_v, mask=mask_v, other=0.0).to(tl.float32)
+
+        tok = n64 * T + t
+        a_t = tl.load(a + (tok * HV + i_hv) * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        g_t = kda_log_decay(a_t, bias, A_log_h, lower_bound, SAFE_GATE)
+        beta_t = tl.sigmoid(tl.load(b + tok * HV + i_hv).to(tl.float32))
+        q_hat = l2_normalize(q_t) * scale
+        k_hat = l2_normalize(k_t)
+        S = delta_rule_update(S, k_hat, v_t, g_t, beta_t)
+        o = tl.sum(S * q_hat[None, :], axis=1)
+        if NORM:
+            gate = tl.load(norm_gate + (tok * HV + i_hv) * V + offs_v, mask=mask_v, other=0.0).to(tl.float32)
+            o = gated_rmsnorm_rows(o, gate, w_norm, norm_eps, V)
+        o = tl.where(live, o, 0.0)
+        tl.store(out + (tok * HV + i_hv) * V + offs_v, o.to(out.dtype.element_ty), mask=mask_v)
+
+        if SNAPSHOT:
+            snap = snapshots + row * s_snap_row + t * s_snap_t + i_hv * V * K
+            tl.store(snap + offs_v[:, None] * K + offs_k[None, :], S.to(snapshots.dtype.element_ty), mask=mask_s)
+        if RING:
+            rk = ring_k + slot * s_rk_slot + (i_h * ring_len + t) * K + offs_k
+            tl.store(rk, k_t.to(ring_k.dtype.element_ty), mask=writes_key_head & mask_k)
+            rv = ring_v + slot * s_rv_slot + (i_hv * ring_len + t) * V + offs_v
+            tl.store(rv, v_t.to(ring_v.dtype.element_ty), mask=live & mask_v)
+            rg = ring_g + slot * s_rg_slot + (i_hv * ring_len + t) * K + offs_k
+            tl.store(rg, g_t.to(ring_g.dtype.element_ty), mask=writes_head & mask_k)
+            tl.store(ring_beta + slot * s_rb_slot + i_hv * ring_len + t, beta_t.to(ring_beta.dtype.element_ty),
+                     mask=writes_head)
+
+
+_mtp_verify = CachedKernel(_mtp_verify_kernel)
+
+
+def verify_block_v(V: int, K: int, norm: bool) -> tuple[int, int]:
+    """(BLOCK_V, num_warps). The fused norm needs a whole V row in one program.
+
+    A ring commit replays the same math with the same tile shape, so its K
+    reductions round exactly like the verify's (commit.py imports this)."""
+    if norm:
+        return triton.next_power_of_2(V), 8
+    return max(1, min(triton.next_power_of_2(V), 4096 // (triton.next_power_of_2(K) * 4))), 1
+
+
+def _strides(t, dims, default=0):
+    return [t.stride(d) for d in dims] if t is not None else [default] * len(dims)
+
+
+@register("mtp_verify", "triton")
+def mtp_verify_triton(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, out, *,
+                      conv_weights, conv_states, intermediate_conv, conv_bias, snapshots, rings, scale,
+                      lower_bound, norm_gate, norm_weight, norm_eps):
+    N, T, H, K = q.shape
+    HV, V = v.shape[-2:]
+    if N == 0:
+        return out
+    has_conv = conv_weights is not None
+    W = conv_weights[0].shape[1] if has_conv else 1
+    dummy = state  # never dereferenced: the constexpr flags compile its uses away
+    w_q, w_k, w_v = conv_weights if has_conv else (dummy,) * 3
+    bias_q, bias_k, bias_v = conv_bias if conv_bias is not None else (dummy,) * 3
+    cs_q, cs_k, cs_v = conv_states if has_conv else (None,) * 3
+    ic_q, ic_k, ic_v = intermediate_conv if has_conv else (None,) * 3
+    ring_k, ring_v, ring_g, ring_beta = rings if rings is not None else (None,) * 4
+    norm = norm_weight is not None
+    block_v, num_warps = verify_block_v(V, K, norm)
+    grid = (triton.cdiv(V, block_v), HV, N)
+    args = (
+        q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, out,
+        w_q, w_k, w_v, bias_q, bias_k, bias_v,
+        *(t if t is not None else dummy for t in (cs_q, cs_k, cs_v, ic_q, ic_k, ic_v)),
+        *(t if t is not None else dummy for t in (snapshots, ring_k, ring_v, ring_g, ring_beta, norm_gate,
+                                                  norm_weight)),
+        state.stride(0),
+        *_strides(cs_q, (0, 1, 2)), *_strides(cs_k, (0, 1, 2)), *_strides(cs_v, (0, 1, 2)),
+        *_strides(ic_q, (0, 1)), *_strides(ic_k, (0, 1)), *_strides(ic_v, (0, 1)),
+        *_strides(snapshots, (0, 1)),
+        *_strides(ring_k, (0,)), *_strides(ring_v, (0,)), *_strides(ring_g, (0,)), *_strides(ring_beta, (0,)),
+        ring_k.shape[2] if ring_k is not None else 0,
+        float(scale), float(lower_bound) if lower_bound is not None else 0.0, float(norm_eps),
+    )
+    _mtp_verify(grid, args, dict(
+        T=T, H=H, HV=HV, K=K, V=V, W=W, BLOCK_K=triton.next_power_of_2(K), BLOCK_V=block_v,
+        HAS_CONV=has_conv, HAS_CONV_BIAS=conv_bias is not None, SNAPSHOT=snapshots is not None and rings is None,
+        RING=rings is not None, NORM=norm, SAFE_GATE=lower_bound is not None), num_warps=num_warps, num_stages=1)
+    return out
+
+
+@register("mtp_verify", "reference")
+def mtp_verify_reference(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, out, **kwargs):
+    return reference.mtp_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, out, **kwargs)
+
+
+# ----------------------------------------------------------------------------
+# Input checks
+# ----------------------------------------------------------------------------
+def _fail(message: str):
+    raise ValueError(message)
+
+
+def check_mtp_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, out, *,
+                     conv_weights, conv_states, intermediate_conv, conv_bias, snapshots, rings,
+                     lower_bound, norm_gate, norm_weight, full_checks=None):
+    """Shapes, layouts, dtypes and devices of a native verify call; raises before anything runs."""
+    if q.dim() != 4:
+        _fail(f"`q` must be [N, 1 + num_spec, H, K] (got shape {tuple(q.shape)}).")
+    N, T, H, K = q.shape
+    if v.dim() != 4 or v.shape[:2] != (N, T):
+        _fail(f"`v` must be [N, T, HV, V] with N={N}, T={T} (got shape {tuple(v.shape)}).")
+    HV, V = v.shape[2:]
+    expected = {"q": (N, T, H, K), "k": (N, T, H, K), "a": (N, T, HV, K), "b": (N, T, HV), "out": (N, T, HV, V)}
+    for name, t in (("q", q), ("k", k), ("a", a), ("b", b), ("out", out)):
+        if tuple(t.shape) != expected[name]:
+            _fail(f"`{name}` must have shape {expected[name]} (got {tuple(t.shape)}).")
+    for name, t in (("q", q), ("k", k), ("v", v), ("a", a), ("b", b), ("out", out)):
+        if not t.is_contiguous():
+            _fail(f"`{name}` must be contiguous (dense [N, T, ...] tokens).")
+    if H == 0 or HV % H != 0:
+        _fail(f"value heads must be a multiple of key heads (got H={H}, HV={HV}).")
+    contracts.check_state_pool(state, "state")
+    if tuple(state.shape[1:]) != (HV, V, K):
+        _fail(f"`state` must be [slots, HV={HV}, V={V}, K={K}] (got {tuple(state.shape)}).")
+    contracts.check_head_dims(K, V)
+    if A_log.numel() != HV or dt_bias.numel() != HV * K:
+        _fail(f"`A_log` must have {HV} elements and `dt_bias` {HV * K} (got {A_log.numel()}, {dt_bias.numel()}).")
+    for name, t in (("slot_indices", slot_indices), ("scratch_indices", scratch_indices)):
+        if tuple(t.shape) != (N,):
+            _fail(f"`{name}` must have shape ({N},) (got {tuple(t.shape)}).")
+        contracts.check_index_dtype(name, t)
+    contracts.check_float_dtypes(q=q, k=k, v=v, a=a, b=b, out=out, A_log=A_log, dt_bias=dt_bias)
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        _fail(f"`q`, `k`, `v` must share one dtype (got {q.dtype}, {k.dtype}, {v.dtype}).")
+    contracts.check_lower_bound(lower_bound)
+    tensors = [q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, out]
+    if conv_weights is not None:
+        if conv_states is None or intermediate_conv is None:
+            _fail("the fused conv needs `conv_weights`, `conv_states` and `intermediate_conv` together.")
+        channels = (H * K, H * K, HV * V)
+        W = conv_weights[0].shape[-1]
+        for i, name in enumerate("qkv"):
+            w, cs, ic = conv_weights[i], conv_states[i], intermediate_conv[i]
+            if tuple(w.shape) != (channels[i], W) or not w.is_contiguous() or w.dtype != torch.float32:
+                _fail(f"conv weight `w_{name}` must be contiguous float32 [{channels[i]}, {W}] "
+                      f"(got {tuple(w.shape)} {w.dtype}).")
+            if cs.dim() != 3 or cs.shape[1:] != (channels[i], W - 1) or cs.shape[0] != state.shape[0]:
+                _fail(f"conv state `cs_{name}` must be [slots={state.shape[0]}, {channels[i]}, {W - 1}] "
+                      f"(got {tuple(cs.shape)}).")
+            if (ic.dim() != 4 or ic.shape[1] < T or ic.shape[2:] != (channels[i], W - 1)
+                    or ic.stride(3) != 1 or ic.stride(2) != W - 1):
+                _fail(f"`intermediate_conv_{name}` must be [scratch, >={T}, {channels[i]}, {W - 1}] with "
+                      f"contiguous inner dims (got {tuple(ic.shape)}).")
+            if conv_bias is not None and tuple(conv_bias[i].shape) != (channels[i],):
+                _fail(f"conv bias {i} must have shape ({channels[i]},) (got {tuple(conv_bias[i].shape)}).")
+            tensors += [w, cs, ic]
+    if rings is not None:
+        ring_k, ring_v, ring_g, ring_beta = rings
+        slots, L = state.shape[0], ring_v.shape[2] if ring_v.dim() == 4 else -1
+        want = {"ring_k": (slots, H, L, K), "ring_v": (slots, HV, L, V), "ring_g": (slots, HV, L, K),
+                "ring_beta": (slots, HV, L)}
+        for name, t in zip(want, rings):
+            if tuple(t.shape) != want[name] or L < T or t.stride(-1) != 1 or (
+                    t.dim() == 4 and (t.stride(2) != t.shape[3] or t.stride(1) != L * t.shape[3])) or (
+                    t.dim() == 3 and t.stride(1) != L):
+                _fail(f"`{name}` must be {want[name]} with L >= {T} and contiguous [heads, L, ...] per slot "
+                      f"(got {tuple(t.shape)}).")
+        tensors += list(rings)
+    elif snapshots is not None:
+        if (snapshots.dim() != 5 or snapshots.shape[1] < T or tuple(snapshots.shape[2:]) != (HV, V, K)
+                or snapshots.stride(4) != 1 or snapshots.stride(3) != K or snapshots.stride(2) != V * K):
+            _fail(f"`snapshots` must be [scratch, >={T}, HV={HV}, V={V}, K={K}] with contiguous inner dims "
+                  f"(got {tuple(snapshots.shape)}).")
+        if snapshots.dtype not in contracts.STATE_DTYPES:
+            _fail(f"`snapshots` must be float32, bfloat16 or float16 (got {snapshots.dtype}).")
+        tensors.append(snapshots)
+    if (norm_gate is None) != (norm_weight is None):
+        _fail("the fused output norm needs `norm_gate` and `norm_weight` together.")
+    if norm_weight is not None:
+        if tuple(norm_gate.shape) != (N, T, HV, V) or not norm_gate.is_contiguous():
+            _fail(f"`norm_gate` must be contiguous {(N, T, HV, V)} (got {tuple(norm_gate.shape)}).")
+        if tuple(norm_weight.shape) != (V,):
+            _fail(f"`norm_weight` must have shape ({V},) (got {tuple(norm_weight.shape)}).")
+        tensors += [norm_gate, norm_weight]
+    contracts.check_same_device(*tensors)
+    if contracts.full_checks_enabled(full_checks):
+        contracts.check_slot_values("slot_indices", slot_indices, state.shape[0], full_checks=True)
+        if snapshots is not None and rings is None:
+            contracts.check_slot_values("scratch_indices", scratch_indices[slot_indices >= 0], snapshots.shape[0],
+                                        full_checks=True)
+        contracts.check_finite(True, A_log=A_log, dt_bias=dt_bias)
+
+
+def mtp_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, *,
+               conv_weights=None, conv_states=None, intermediate_conv=None, conv_bias=None,
+               snapshots=None, rings=None, scale=None, lower_bound=None, norm_gate=None, norm_weight=None,
+               norm_eps=1e-6, out=None, backend=None, full_checks=None):
+    """Verify ``T = 1 + num_spec`` tokens per request without touching the persistent pools.
+
+    ``q, k [N, T, H, K]``, ``v [N, T, HV, V]`` (pre-conv when ``conv_weights=(w_q, w_k, w_v)``
+    is given, else already convolved), ``a [N, T, HV, K]`` raw gate, ``b [N, T, HV]`` raw
+    beta; ``state [slots, HV, V, K]`` and ``conv_states`` read-only; request ``n`` uses
+    ``state[slot_indices[n]]`` and scratch row ``scratch_indices[n]``. Per step: a snapshot
+    ``snapshots[row, t]`` or, with ``rings=(ring_k, ring_v, ring_g, ring_beta)``, the ring
+    entries at ``[slot, :, t]``; windows to ``intermediate_conv[i][row, t]``. Returns
+    ``out [N, T, HV, V]`` (optionally gated-RMSNormed with ``norm_gate``, ``norm_weight``).
+    """
+    if out is None and q.dim() == 4 and v.dim() == 4:
+        out = torch.empty(v.shape, dtype=q.dtype, device=q.device)
+    check_mtp_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, out,
+                     conv_weights=conv_weights, conv_states=conv_states, intermediate_conv=intermediate_conv,
+                     conv_bias=conv_bias, snapshots=snapshots, rings=rings, lower_bound=lower_bound,
+                     norm_gate=norm_gate, norm_weight=norm_weight, full_checks=full_checks)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    _, impl = select("mtp_verify", q.device, backend)
+    return impl(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, out,
+                conv_weights=conv_weights, conv_states=conv_states, intermediate_conv=intermediate_conv,
+                conv_bias=conv_bias, snapshots=snapshots, rings=rings, scale=scale, lower_bound=lower_bound,
+                norm_gate=norm_gate, norm_weight=norm_weight, norm_eps=norm_eps)

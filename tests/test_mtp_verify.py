@@ -1,0 +1,352 @@
+"""Speculative verify and the commits: kernels against the float64 reference, the
+speculative loop against plain one-token decoding, ring commit == snapshot commit
+bitwise, and the DSpARK / ReplaySSM drop-ins with their exact error texts."""
+import pytest
+import torch
+
+import kdakit
+from kdakit import reference
+from kdakit.compat import sglang
+
+from helpers import assert_close
+
+BACKENDS = ["reference", "triton"]
+F64 = torch.float64
+W = 4
+
+
+def make_problem(seed, *, N=3, T=3, H=1, HV=2, K=16, V=24, slots=6, scratch=5, act=torch.bfloat16,
+                 conv=True, norm=False, padding=True):
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape, s=1.0):
+        return (torch.randn(*shape, generator=g) * s).to(act)
+    p = dict(q=rnd(N, T, H, K), k=rnd(N, T, H, K), v=rnd(N, T, HV, V), a=rnd(N, T, HV, K), b=rnd(N, T, HV),
+             A_log=torch.rand(HV, generator=g), dt_bias=torch.randn(HV * K, generator=g) * 0.5,
+             state=torch.randn(slots, HV, V, K, generator=g) * 0.5)
+    slots_used = torch.randperm(slots, generator=g)[:N].to(torch.int32)
+    if padding:
+        slots_used[1] = -1
+    p["slot_indices"] = slots_used
+    p["scratch_indices"] = torch.randperm(scratch, generator=g)[:N].to(torch.int32)
+    channels = (H * K, H * K, HV * V)
+    if conv:
+        p["conv_weights"] = tuple(torch.randn(c, W, generator=g) * 0.5 for c in channels)
+        p["conv_states"] = tuple(rnd(slots, c, W - 1) for c in channels)
+    if norm:
+        p["norm_gate"] = rnd(N, T, HV, V)
+        p["norm_weight"] = torch.rand(V, generator=g) + 0.5
+    dims = dict(N=N, T=T, H=H, HV=HV, K=K, V=V, slots=slots, scratch=scratch, act=act, channels=channels)
+    return p, dims
+
+
+def fresh_buffers(d, *, mode, snap_dtype=torch.float32, poison=7.0):
+    """Scratch buffers one step longer than needed, poisoned, so stray writes show."""
+    T, act = d["T"], d["act"]
+    bufs = {"intermediate_conv": tuple(torch.full((d["scratch"], T + 1, c, W - 1), poison, dtype=act)
+                                       for c in d["channels"])}
+    if mode == "snapshot":
+        bufs["snapshots"] = torch.full((d["scratch"], T + 1, d["HV"], d["V"], d["K"]), poison, dtype=snap_dtype)
+    else:
+        L = T + 1
+        bufs["rings"] = (torch.full((d["slots"], d["H"], L, d["K"]), poison, dtype=act),
+                         torch.full((d["slots"], d["HV"], L, d["V"]), poison, dtype=act),
+                         torch.full((d["slots"], d["HV"], L, d["K"]), poison),
+                         torch.full((d["slots"], d["HV"], L), poison))
+    return bufs
+
+
+def call_verify(p, bufs, *, conv, lower_bound, backend=None, f64=False):
+    kw = dict(snapshots=bufs.get("snapshots"), rings=bufs.get("rings"), lower_bound=lower_bound,
+              norm_gate=p.get("norm_gate"), norm_weight=p.get("norm_weight"))
+    if conv:
+        kw.update(conv_weights=p["conv_weights"], conv_states=p["conv_states"],
+                  intermediate_conv=bufs["intermediate_conv"])
+    if f64:
+        if conv:
+            kw["conv_weights"] = tuple(w.double() for w in p["conv_weights"])
+        kw = {key: val for key, val in kw.items() if key not in ("norm_weight",)}
+        kw["norm_weight"] = None if p.get("norm_weight") is None else p["norm_weight"].double()
+        out = torch.empty(p["v"].shape, dtype=F64)
+        return reference.mtp_verify(p["q"], p["k"], p["v"], p["a"], p["b"], p["A_log"].double(),
+                                    p["dt_bias"].double(), p["state"].double(), p["slot_indices"],
+                                    p["scratch_indices"], out, compute_dtype=F64, **kw)
+    return kdakit.mtp_verify(p["q"], p["k"], p["v"], p["a"], p["b"], p["A_log"], p["dt_bias"], p["state"],
+                             p["slot_indices"], p["scratch_indices"], backend=backend, **kw)
+
+
+CASES = [  # (mode, conv, norm, lower_bound, act, K, V)
+    pytest.param("snapshot", True, False, -5.0, torch.bfloat16, 16, 24, id="snapshot-conv-safegate-bf16-K16-V24"),
+    pytest.param("ring", True, True, -2.0, torch.bfloat16, 16, 16, id="ring-conv-norm-bf16"),
+    pytest.param("snapshot", False, True, None, torch.float32, 24, 16, id="snapshot-noconv-norm-defaultgate-f32"),
+    pytest.param("ring", False, False, None, torch.float32, 16, 32, id="ring-noconv-f32-K16-V32"),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("mode,conv,norm,lower_bound,act,K,V", CASES)
+def test_verify_matches_float64_reference(backend, mode, conv, norm, lower_bound, act, K, V):
+    p, d = make_problem(11, act=act, conv=conv, norm=norm, K=K, V=V)
+    state_before = p["state"].clone()
+    conv_before = [c.clone() for c in p.get("conv_states", ())]
+    ref_bufs, bufs = fresh_buffers(d, mode=mode, snap_dtype=F64), fresh_buffers(d, mode=mode)
+    ref_out = call_verify(p, ref_bufs, conv=conv, lower_bound=lower_bound, f64=True)
+    out = call_verify(p, bufs, conv=conv, lower_bound=lower_bound, backend=backend)
+    tol = 1e-5 if act == torch.float32 else 2e-2
+    assert_close(out, ref_out, tol, "out")
+    assert torch.equal(out[1], torch.zeros_like(out[1])), "padding row output must be zero"
+    assert torch.equal(p["state"], state_before), "the persistent state pool is read-only"
+    for c, before in zip(p.get("conv_states", ()), conv_before):
+        assert torch.equal(c, before), "the persistent conv pools are read-only"
+    live = [0, 2]
+    rows = p["scratch_indices"][live].long()
+    if mode == "snapshot":
+        # bf16 post-conv values: a float32 conv and a float64 one can round to neighbouring bf16s
+        assert_close(bufs["snapshots"][rows, :d["T"]], ref_bufs["snapshots"][rows, :d["T"]], 1e-5 if act ==
+                     torch.float32 else 1e-2, "snapshots")
+        untouched = torch.ones(d["scratch"], dtype=torch.bool)
+        untouched[rows] = False
+        assert (bufs["snapshots"][untouched] == 7.0).all(), "scratch rows of padding/unused requests untouched"
+        assert (bufs["snapshots"][:, d["T"]] == 7.0).all(), "no step past T is written"
+    else:
+        slots = p["slot_indices"][live].long()
+        for got, want, name in zip(bufs["rings"], ref_bufs["rings"], ("k", "v", "g", "beta")):
+            assert_close(got[slots][:, :, :d["T"]], want[slots][:, :, :d["T"]], 1e-2, f"ring_{name}")
+            others = torch.ones(d["slots"], dtype=torch.bool)
+            others[slots] = False
+            assert (got[others] == 7.0).all(), f"ring_{name} of other slots untouched"
+            assert (got[:, :, d["T"]] == 7.0).all(), f"ring_{name} past step T untouched"
+    if conv:
+        for got, want in zip(bufs["intermediate_conv"], ref_bufs["intermediate_conv"]):
+            assert torch.equal(got[rows, :d["T"]], want[rows, :d["T"]]), "conv windows after each step"
+            assert (got[p["scratch_indices"][1].long()] == 7.0).all(), "padding request's scratch row untouched"
+
+
+def plain_decode(p, d, state, conv_pool, tokens, slots, lower_bound):
+    """One token at a time through the plain decode path (conv update + packed decode)."""
+    N, H, HV, K, V = d["N"], d["H"], d["HV"], d["K"], d["V"]
+    outs = []
+    for t in tokens:
+        x = torch.cat([p["q"][:, t].flatten(1), p["k"][:, t].flatten(1), p["v"][:, t].flatten(1)], dim=1)
+        mixed = torch.empty_like(x)
+        reference.causal_conv1d_update(x, conv_pool, torch.cat(p["conv_weights"]), slots, mixed)
+        out = torch.empty(N, 1, HV, V, dtype=d["act"])
+        kdakit.packed_decode(mixed, p["a"][:, t].flatten(1), p["b"][:, t], p["A_log"], p["dt_bias"], state, slots,
+                             out, lower_bound=lower_bound, backend="triton")
+        outs.append(out[:, 0])
+    return outs
+
+
+@pytest.mark.parametrize("lower_bound", [None, -3.0], ids=["default-gate", "safe-gate"])
+def test_speculative_loop_equals_plain_decode_and_ring_equals_snapshot_bitwise(lower_bound):
+    """Rounds of verify + commit with random accept lengths: ring and snapshot commits agree
+    bitwise, and both equal plain one-token decoding of the accepted tokens."""
+    gen = torch.Generator().manual_seed(5)
+    p, d = make_problem(21, N=2, T=3, K=16, V=16, padding=False)
+    pools = {m: (p["state"].clone(), tuple(c.clone() for c in p["conv_states"])) for m in ("snapshot", "ring")}
+    plain_state = p["state"].clone()
+    plain_conv = torch.cat([c.clone() for c in p["conv_states"]], dim=1)
+    slots = p["slot_indices"]
+    for _ in range(2):
+        p2, _ = make_problem(int(torch.randint(1000, (1,), generator=gen)), N=2, T=3, K=16, V=16, padding=False)
+        for key in ("q", "k", "v", "a", "b"):
+            p[key] = p2[key]
+        accept = torch.randint(1, d["T"] + 1, (d["N"],), generator=gen).to(torch.int32)
+        outs = {}
+        for mode in ("snapshot", "ring"):
+            state, conv_states = pools[mode]
+            bufs = fresh_buffers(d, mode=mode)
+            outs[mode] = kdakit.mtp_verify(p["q"], p["k"], p["v"], p["a"], p["b"], p["A_log"], p["dt_bias"], state,
+                                           slots, p["scratch_indices"], conv_weights=p["conv_weights"],
+                                           conv_states=conv_states, intermediate_conv=bufs["intermediate_conv"],
+                                           snapshots=bufs.get("snapshots"), rings=bufs.get("rings"),
+                                           lower_bound=lower_bound, backend="triton")
+            if mode == "snapshot":
+                kdakit.commit_snapshots(state, bufs["snapshots"], slots, p["scratch_indices"], accept - 1,
+                                        conv_states=conv_states, intermediate_conv=bufs["intermediate_conv"],
+                                        backend="triton")
+            else:
+                kdakit.commit_ring(state, *bufs["rings"], slots, accept, backend="triton")
+                kdakit.commit_snapshots(state, None, slots, p["scratch_indices"], accept - 1,
+                                        conv_states=conv_states, intermediate_conv=bufs["intermediate_conv"],
+                                        backend="triton")
+        assert torch.equal(outs["snapshot"], outs["ring"])
+        assert torch.equal(pools["snapshot"][0], pools["ring"][0]), "ring commit must equal snapshot commit bitwise"
+        # Plain decoding of each request's accepted tokens (requests differ in length: one at a time).
+        for n in range(d["N"]):
+            one = slots[n:n + 1]
+            sub = {key: val[n:n + 1] for key, val in p.items() if key in ("q", "k", "v", "a", "b")}
+            sub.update(conv_weights=p["conv_weights"], A_log=p["A_log"], dt_bias=p["dt_bias"])
+            plain = plain_decode(sub, dict(d, N=1), plain_state, plain_conv, range(int(accept[n])), one,
+                                 lower_bound)
+            for t, o in enumerate(plain):
+                assert_close(outs["ring"][n, t], o[0], 2e-2, f"verify output {t} vs plain decode")
+        slot_list = slots.long()
+        # The plain path's conv is the torch reference: its bf16 rounding of the post-conv values
+        # can land one ulp apart from the kernel's, so the states agree at bf16 level, not float32.
+        assert_close(pools["ring"][0][slot_list], plain_state[slot_list], 2e-2, "committed state vs plain decode")
+        committed_conv = torch.cat(pools["ring"][1], dim=1)
+        assert torch.equal(committed_conv[slot_list], plain_conv[slot_list]), "committed conv windows"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_commit_ring_track_slot_null_block_and_all_layers(backend):
+    p, d = make_problem(31, conv=False, act=torch.float32, padding=False)
+    bufs = fresh_buffers(d, mode="ring")
+    kdakit.mtp_verify(p["q"], p["k"], p["v"], p["a"], p["b"], p["A_log"], p["dt_bias"], p["state"],
+                      p["slot_indices"], p["scratch_indices"], rings=bufs["rings"], backend=backend)
+    slots = p["slot_indices"]
+    free = [s for s in range(d["slots"]) if s not in slots.tolist()]
+    accept = torch.tensor([3, 0, 2], dtype=torch.int32)
+    track_slots = torch.tensor([free[0], free[1], free[2]], dtype=torch.int32)
+    track_steps = torch.tensor([1, 0, 5], dtype=torch.int32)   # row 1 skipped (accept 0), row 2 out of range
+    want = p["state"].double().clone()
+    reference.commit_ring(want, *(r.double() if r.is_floating_point() else r for r in bufs["rings"]), slots,
+                          accept, track_slots=track_slots, track_steps=track_steps, compute_dtype=F64)
+    state = p["state"].clone()
+    layered = torch.stack([p["state"].clone(), p["state"].clone()])
+    kdakit.commit_ring(state, *bufs["rings"], slots, accept, track_slots=track_slots, track_steps=track_steps,
+                       backend=backend)
+    assert_close(state, want, 1e-5, "ring commit")
+    assert torch.equal(state[free[1]], p["state"][free[1]]) and torch.equal(state[free[2]], p["state"][free[2]])
+    assert torch.equal(state[slots[1]], p["state"][slots[1]]), "accept_len 0 leaves the slot"
+    kdakit.commit_ring(layered, *(torch.stack([r, r]) for r in bufs["rings"]), slots, accept,
+                       track_slots=track_slots, track_steps=track_steps, backend=backend)
+    assert torch.equal(layered[0], state) and torch.equal(layered[1], state), "all-layers launch == per layer"
+    # sglang's default null_block_id=0 skips slot 0 as well
+    zero_slot = torch.tensor([0], dtype=torch.int32)
+    before = state.clone()
+    sglang.commit_kda_replayssm_spec(state, bufs["rings"][1], bufs["rings"][0], bufs["rings"][2], bufs["rings"][3],
+                                     zero_slot, torch.tensor([2], dtype=torch.int32), d["T"] + 1, d["H"])
+    assert torch.equal(state, before)
+
+
+def dspark_inputs(seed, *, N=2, steps=2, H=1, slots=4, scratch=3, ring=False, onorm=False):
+    g = torch.Generator().manual_seed(seed)
+    T, C = N * steps, H * 128
+    bf = torch.bfloat16
+    x = {name: (torch.randn(1, T, H, 128, generator=g)).to(bf) for name in ("x_q", "x_k", "x_v", "g")}
+    kw = dict(x, beta=torch.randn(1, T, H, generator=g).to(bf),
+              w_q=torch.randn(C, 4, generator=g) * 0.5, w_k=torch.randn(C, 4, generator=g) * 0.5,
+              w_v=torch.randn(C, 4, generator=g) * 0.5,
+              cs_q=torch.randn(slots, C, 3, generator=g).to(bf), cs_k=torch.randn(slots, C, 3, generator=g).to(bf),
+              cs_v=torch.randn(slots, C, 3, generator=g).to(bf),
+              A_log=torch.rand(H, generator=g), dt_bias=torch.randn(C, generator=g) * 0.5,
+              recurrent_state=torch.randn(slots, H, 128, 128, generator=g) * 0.3,
+              intermediate_ssm=torch.zeros(scratch, steps, H, 128, 128),
+              intermediate_state_indices=torch.tensor([2, 0], dtype=torch.int32)[:N],
+              intermediate_conv_q=torch.zeros(scratch, steps, C, 3, dtype=bf),
+              intermediate_conv_k=torch.zeros(scratch, steps, C, 3, dtype=bf),
+              intermediate_conv_v=torch.zeros(scratch, steps, C, 3, dtype=bf),
+              ssm_state_indices=torch.tensor([3, 1], dtype=torch.int32)[:N],
+              cu_seqlens=torch.arange(0, T + 1, steps, dtype=torch.int32), lower_bound=-5.0)
+    if ring:
+        kw.update(replayssm_rawv=torch.zeros(slots, H, steps, 128, dtype=bf),
+                  replayssm_rawk=torch.zeros(slots, H, steps, 128, dtype=bf),
+                  replayssm_g=torch.zeros(slots, H, steps, 128), replayssm_beta=torch.zeros(slots, H, steps))
+    if onorm:
+        kw.update(onorm_gate=torch.randn(1, T, H, 128, generator=g).to(bf), onorm_weight=torch.rand(128) + 0.5,
+                  onorm_eps=1e-6)
+    return kw
+
+
+def test_dspark_drop_in_matches_native_reference():
+    kw = dspark_inputs(41, onorm=True)
+    state_before = kw["recurrent_state"].clone()
+    out = sglang.fused_kda_decode_mtp_dspark(**kw)
+    assert out.shape == kw["x_v"].shape and out.dtype == torch.bfloat16
+    assert torch.equal(kw["recurrent_state"], state_before)
+    N, steps, dense = 2, 2, (2, 2, 1, 128)
+    ref = torch.empty(dense, dtype=F64)
+    snaps = torch.zeros_like(kw["intermediate_ssm"], dtype=F64)
+    reference.mtp_verify(kw["x_q"].view(dense), kw["x_k"].view(dense), kw["x_v"].view(dense), kw["g"].view(dense),
+                         kw["beta"].view(N, steps, 1), kw["A_log"].double(), kw["dt_bias"].double(),
+                         kw["recurrent_state"].double(), kw["ssm_state_indices"], kw["intermediate_state_indices"],
+                         ref, conv_weights=(kw["w_q"].double(), kw["w_k"].double(), kw["w_v"].double()),
+                         conv_states=(kw["cs_q"], kw["cs_k"], kw["cs_v"]),
+                         intermediate_conv=tuple(torch.zeros_like(kw[f"intermediate_conv_{c}"]) for c in "qkv"),
+                         snapshots=snaps, lower_bound=-5.0, norm_gate=kw["onorm_gate"].view(dense),
+                         norm_weight=kw["onorm_weight"].double(), compute_dtype=F64)
+    assert_close(out.view(dense), ref, 2e-2, "dspark out")
+    assert_close(kw["intermediate_ssm"][[2, 0]], snaps[[2, 0]], 1e-2, "dspark snapshots")
+
+
+def _break(kw, key, value):
+    kw = dict(kw)
+    kw[key] = value
+    return kw
+
+
+BF = torch.bfloat16
+DSPARK_ERRORS = [
+    ("q-shape", lambda kw: _break(kw, "x_q", kw["x_q"][:, :, :, :64]), "expected q/k shape (1, 4, 1, 128)"),
+    ("k-shape", lambda kw: _break(kw, "x_k", kw["x_k"][:, :3]), "expected q/k shape (1, 4, 1, 128)"),
+    ("v-shape", lambda kw: _break(kw, "x_v", kw["x_v"][:, :3]), "expected v/g shape (1, 4, 1, 128)"),
+    ("g-shape", lambda kw: _break(kw, "g", kw["g"][..., :64]), "expected v/g shape (1, 4, 1, 128)"),
+    ("beta-shape", lambda kw: _break(kw, "beta", kw["beta"][:, :3]), "expected beta shape (1, 4, 1)"),
+    ("tokens-per-request", lambda kw: _break(kw, "cu_seqlens", torch.tensor([0, 1, 2, 4], dtype=torch.int32)),
+     "DSpARK KDA MTP requires a fixed 1 + num_spec dense tokens per request; got T=4, N=3"),
+    ("state-layout", lambda kw: _break(kw, "recurrent_state", torch.zeros(4, 1, 64, 128)),
+     "expected recurrent state layout [pool, H, V=128, K=128]"),
+    ("state-dtype", lambda kw: _break(kw, "recurrent_state", torch.zeros(4, 1, 128, 128, dtype=BF)),
+     "cp.async recurrent state requires fp32 contiguous [H, V, K] inner layout and 16-byte-aligned slot offsets"),
+    ("partial-rings", lambda kw: _break(kw, "replayssm_rawv", torch.zeros(4, 1, 2, 128, dtype=BF)),
+     "ReplaySSM requires all four replayssm_* rings"),
+    ("ring-layout", lambda kw: dict(kw, replayssm_rawv=torch.zeros(4, 1, 1, 128, dtype=BF),
+                                    replayssm_rawk=torch.zeros(4, 1, 1, 128, dtype=BF),
+                                    replayssm_g=torch.zeros(4, 1, 1, 128), replayssm_beta=torch.zeros(4, 1, 1)),
+     "expected ReplaySSM ring layouts [slots, H=1, L>=2, 128] / [slots, H, L]"),
+    ("ring-dtype", lambda kw: dict(kw, replayssm_rawv=torch.zeros(4, 1, 2, 128),
+                                   replayssm_rawk=torch.zeros(4, 1, 2, 128, dtype=BF),
+                                   replayssm_g=torch.zeros(4, 1, 2, 128), replayssm_beta=torch.zeros(4, 1, 2)),
+     "expected ReplaySSM ring dtypes rawv/rawk=bf16, g/beta=fp32"),
+    ("snapshot-layout", lambda kw: _break(kw, "intermediate_ssm", torch.zeros(3, 1, 1, 128, 128)),
+     "expected intermediate SSM layout [scratch, >=2, H, V=128, K=128]"),
+    ("onorm-partial", lambda kw: _break(kw, "onorm_eps", None),
+     "fused output norm requires onorm_gate, onorm_weight, and onorm_eps"),
+    ("onorm-gate-shape", lambda kw: _break(kw, "onorm_gate", kw["onorm_gate"][:, :3]),
+     "expected output-norm gate shape (1, 4, 1, 128)"),
+    ("onorm-weight-shape", lambda kw: _break(kw, "onorm_weight", torch.ones(64)),
+     "expected output-norm weight shape (128,)"),
+    ("onorm-dtype", lambda kw: _break(kw, "onorm_weight", torch.ones(128, dtype=BF)),
+     "expected output-norm gate=bf16 and weight=fp32"),
+]
+
+
+@pytest.mark.parametrize("breaker,message", [pytest.param(b, m, id=i) for i, b, m in DSPARK_ERRORS])
+def test_dspark_error_contract_exact_and_nothing_written(breaker, message):
+    kw = breaker(dspark_inputs(51, onorm=True))
+    watched = {k: v.clone() for k, v in kw.items() if isinstance(v, torch.Tensor)}
+    with pytest.raises(ValueError) as info:
+        sglang.fused_kda_decode_mtp_dspark(**kw)
+    assert str(info.value) == message
+    for key, before in watched.items():
+        assert torch.equal(kw[key], before), f"{key} must be untouched after an error"
+
+
+def test_dspark_errors_come_in_sglang_order():
+    kw = dspark_inputs(52, onorm=True)
+    kw = _break(_break(kw, "beta", kw["beta"][:, :3]), "x_v", kw["x_v"][:, :3])  # v/g before beta
+    with pytest.raises(ValueError, match=r"^expected v/g shape"):
+        sglang.fused_kda_decode_mtp_dspark(**kw)
+    kw = _break(dspark_inputs(53), "recurrent_state", torch.zeros(4, 1, 64, 128))
+    kw = _break(kw, "intermediate_ssm", torch.zeros(3, 1, 1, 128, 128))  # state before snapshot layout
+    with pytest.raises(ValueError, match=r"^expected recurrent state layout"):
+        sglang.fused_kda_decode_mtp_dspark(**kw)
+
+
+def test_native_verify_rejects_bad_layouts_before_writing():
+    p, d = make_problem(61)
+    bufs = fresh_buffers(d, mode="snapshot")
+    watched = [bufs["snapshots"].clone(), *(c.clone() for c in bufs["intermediate_conv"])]
+    with pytest.raises(ValueError, match="snapshots"):
+        kdakit.mtp_verify(p["q"], p["k"], p["v"], p["a"], p["b"], p["A_log"], p["dt_bias"], p["state"],
+                          p["slot_indices"], p["scratch_indices"], conv_weights=p["conv_weights"],
+                          conv_states=p["conv_states"], intermediate_conv=bufs["intermediate_conv"],
+                          snapshots=bufs["snapshots"][:, :2])
+    with pytest.raises(ValueError, match="`a` must have shape"):
+        kdakit.mtp_verify(p["q"], p["k"], p["v"], p["a"][:, :, :1], p["b"], p["A_log"], p["dt_bias"], p["state"],
+                          p["slot_indices"], p["scratch_indices"], snapshots=bufs["snapshots"])
+    assert torch.equal(bufs["snapshots"], watched[0])
+    for got, before in zip(bufs["intermediate_conv"], watched[1:]):
+        assert torch.equal(got, before)
