@@ -173,14 +173,23 @@ def fused_decode(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, state, slot
 
 def recurrent_forward(q, k, v, g, beta, state, slot_indices, out, *, cu_seqlens=None, scale=None,
                       use_qk_l2norm=True, A_log=None, dt_bias=None, lower_bound=None, beta_is_logit=False,
-                      token_states=None, write_final_state=True, compute_dtype=torch.float32):
+                      num_accepted_tokens=None, token_states=None, write_final_state=True, final_states=None,
+                      compute_dtype=torch.float32):
     """Varlen multi-token forward over ``[1, T, ...]`` inputs split by ``cu_seqlens``.
 
     ``g`` is the log-decay, or the raw gate when ``A_log`` is given (gate in kernel);
-    ``beta`` is β, or its logit when ``beta_is_logit``. Sequence ``n`` starts from
-    ``state[slot_indices[n]]`` (zeros when the slot is < 0); its final state is
-    written back there when ``write_final_state``. ``token_states [T, HV, V, K]``,
-    when given, receives the state after every token.
+    ``beta`` is β, or its logit when ``beta_is_logit``. A slot < 0 reads as a zero
+    state and is never written.
+
+    - 1-D ``slot_indices [N]``: sequence ``n`` starts from ``state[slot_indices[n]]``;
+      its final state is written back there when ``write_final_state``.
+    - 2-D ``slot_indices [N, T_max]`` (speculative serving): sequence ``n`` starts from
+      ``state[slot_indices[n, num_accepted_tokens[n] - 1]]`` (``[n, 0]`` without
+      ``num_accepted_tokens``); the state after its token ``i`` (0-based within the
+      sequence) is written to ``state[slot_indices[n, i]]`` when ``write_final_state``.
+
+    ``token_states [T, HV, V, K]``, when given, receives the state after every token;
+    ``final_states [N, HV, V, K]``, when given, sequence ``n``'s final state.
     """
     cd = compute_dtype
     _, T, H, K = q.shape
@@ -189,10 +198,15 @@ def recurrent_forward(q, k, v, g, beta, state, slot_indices, out, *, cu_seqlens=
         cu_seqlens = torch.tensor([0, T])
     scale = _default_scale(scale, K)
     bounds = cu_seqlens.tolist()
+    per_token_slots = slot_indices.dim() == 2
     for n in range(len(bounds) - 1):
-        slot = int(slot_indices[n])
+        if per_token_slots:
+            start = 0 if num_accepted_tokens is None else int(num_accepted_tokens[n]) - 1
+            slot = int(slot_indices[n, start])
+        else:
+            slot = int(slot_indices[n])
         S = state[slot].to(cd) if slot >= 0 else torch.zeros(HV, V, K, dtype=cd, device=q.device)
-        for t in range(bounds[n], bounds[n + 1]):
+        for i, t in enumerate(range(bounds[n], bounds[n + 1])):
             qt, kt = prepare_qk(q[0, t].to(cd), k[0, t].to(cd), HV, scale, use_qk_l2norm)
             gt = g[0, t].to(cd)
             if A_log is not None:
@@ -202,8 +216,12 @@ def recurrent_forward(q, k, v, g, beta, state, slot_indices, out, *, cu_seqlens=
             out[0, t] = o.to(out.dtype)
             if token_states is not None:
                 token_states[t] = S.to(token_states.dtype)
-        if write_final_state and slot >= 0:
+            if per_token_slots and write_final_state and int(slot_indices[n, i]) >= 0:
+                state[int(slot_indices[n, i])] = S.to(state.dtype)
+        if not per_token_slots and write_final_state and slot >= 0:
             state[slot] = S.to(state.dtype)
+        if final_states is not None:
+            final_states[n] = S.to(final_states.dtype)
     return out
 
 

@@ -81,12 +81,14 @@ CASES = [  # (mode, conv, norm, lower_bound, act, K, V)
     pytest.param("snapshot", False, True, None, torch.float32, 24, 16, id="snapshot-noconv-norm-defaultgate-f32"),
     pytest.param("ring", False, False, None, torch.float32, 16, 32, id="ring-noconv-f32-K16-V32"),
 ]
+LONG_CHAIN = pytest.param("ring", False, False, -1.0, torch.float32, 16, 16, id="ring-noconv-f32-6-steps")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("mode,conv,norm,lower_bound,act,K,V", CASES)
+@pytest.mark.parametrize("mode,conv,norm,lower_bound,act,K,V", CASES + [LONG_CHAIN])
 def test_verify_matches_float64_reference(backend, mode, conv, norm, lower_bound, act, K, V):
-    p, d = make_problem(11, act=act, conv=conv, norm=norm, K=K, V=V)
+    T = 6 if K == V == 16 and lower_bound == -1.0 else 3  # 6 steps: more than one step chunk
+    p, d = make_problem(11, act=act, conv=conv, norm=norm, K=K, V=V, T=T)
     state_before = p["state"].clone()
     conv_before = [c.clone() for c in p.get("conv_states", ())]
     ref_bufs, bufs = fresh_buffers(d, mode=mode, snap_dtype=F64), fresh_buffers(d, mode=mode)
@@ -100,6 +102,7 @@ def test_verify_matches_float64_reference(backend, mode, conv, norm, lower_bound
         assert torch.equal(c, before), "the persistent conv pools are read-only"
     live = [0, 2]
     rows = p["scratch_indices"][live].long()
+    del T
     if mode == "snapshot":
         # bf16 post-conv values: a float32 conv and a float64 one can round to neighbouring bf16s
         assert_close(bufs["snapshots"][rows, :d["T"]], ref_bufs["snapshots"][rows, :d["T"]], 1e-5 if act ==

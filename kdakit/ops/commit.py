@@ -15,7 +15,7 @@ import triton.language as tl
 from .. import contracts, reference
 from ..backends import register, select
 from .launch import CachedKernel
-from .mtp_verify import verify_block_v
+from .mtp_verify import STEP_CHUNK, recurrence_tile, row_of
 from .triton_math import delta_rule_update, l2_normalize
 
 
@@ -25,7 +25,8 @@ def _commit_ring_kernel(
     s_state_layer, s_state_slot, s_rk_layer, s_rk_slot, s_rv_layer, s_rv_slot, s_rg_layer, s_rg_slot,
     s_rb_layer, s_rb_slot, ring_len, null_block_id,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, USE_QK_L2NORM: tl.constexpr, TRACK: tl.constexpr,
+    BLOCK_L: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, USE_QK_L2NORM: tl.constexpr,
+    TRACK: tl.constexpr,
 ):
     # Same tile shape and the same device functions as the verify kernel, so the
     # replayed state rounds exactly like the verify's snapshot of the same step.
@@ -51,22 +52,32 @@ def _commit_ring_kernel(
         track_mask = mask_s & (track_slot > null_block_id) & (track_slot >= 0)
         track_ptrs = state + layer * s_state_layer + track_slot * s_state_slot + tile
 
-    rk = ring_k + layer * s_rk_layer + slot * s_rk_slot + i_h * ring_len * K + offs_k
-    rv = ring_v + layer * s_rv_layer + slot * s_rv_slot + i_hv * ring_len * V + offs_v
-    rg = ring_g + layer * s_rg_layer + slot * s_rg_slot + i_hv * ring_len * K + offs_k
+    # The inputs of a chunk of BLOCK_L steps are loaded at once; only the fold is sequential.
+    rk = ring_k + layer * s_rk_layer + slot * s_rk_slot + i_h * ring_len * K + offs_k[None, :]
+    rv = ring_v + layer * s_rv_layer + slot * s_rv_slot + i_hv * ring_len * V + offs_v[None, :]
+    rg = ring_g + layer * s_rg_layer + slot * s_rg_slot + i_hv * ring_len * K + offs_k[None, :]
     rb = ring_beta + layer * s_rb_layer + slot * s_rb_slot + i_hv * ring_len
-    t = 0
-    while t < num_steps:  # a loaded bound: `while` runs in the interpreter and compiled alike
-        k_t = tl.load(rk + t * K, mask=mask_k, other=0.0).to(tl.float32)
-        if USE_QK_L2NORM:
-            k_t = l2_normalize(k_t)
-        v_t = tl.load(rv + t * V, mask=mask_v, other=0.0).to(tl.float32)
-        g_t = tl.load(rg + t * K, mask=mask_k, other=0.0).to(tl.float32)
-        beta_t = tl.load(rb + t).to(tl.float32)
-        S = delta_rule_update(S, k_t, v_t, g_t, beta_t)
-        if TRACK:
-            tl.store(track_ptrs, S.to(state.dtype.element_ty), mask=track_mask & (t == track_step))
-        t += 1
+    chunk = 0
+    while chunk < num_steps:  # a loaded bound: `while` runs in the interpreter and compiled alike
+        steps = chunk + tl.arange(0, BLOCK_L)
+        in_range = steps < num_steps
+        k_all = tl.load(rk + steps[:, None] * K, mask=in_range[:, None] & mask_k[None, :], other=0.0)
+        v_all = tl.load(rv + steps[:, None] * V, mask=in_range[:, None] & mask_v[None, :], other=0.0)
+        g_all = tl.load(rg + steps[:, None] * K, mask=in_range[:, None] & mask_k[None, :], other=0.0)
+        beta_all = tl.load(rb + steps, mask=in_range, other=0.0).to(tl.float32)
+        k_all = k_all.to(tl.float32)
+        v_all = v_all.to(tl.float32)
+        g_all = g_all.to(tl.float32)
+        for j in tl.static_range(BLOCK_L):
+            if chunk + j < num_steps:
+                k_t = row_of(k_all, j, BLOCK_L)
+                if USE_QK_L2NORM:
+                    k_t = l2_normalize(k_t)
+                beta_t = tl.sum(tl.where(tl.arange(0, BLOCK_L) == j, beta_all, 0.0), axis=0)
+                S = delta_rule_update(S, k_t, row_of(v_all, j, BLOCK_L), row_of(g_all, j, BLOCK_L), beta_t)
+                if TRACK:
+                    tl.store(track_ptrs, S.to(state.dtype.element_ty), mask=track_mask & (chunk + j == track_step))
+        chunk += BLOCK_L
     tl.store(s_ptrs, S.to(state.dtype.element_ty), mask=mask_s)
 
 
@@ -110,7 +121,7 @@ def commit_ring_triton(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, a
     N = slot_indices.shape[0]
     if N == 0 or num_layers == 0:
         return
-    block_v, num_warps = verify_block_v(V, K, norm=False)
+    block_v, num_warps = recurrence_tile(V, K)
     track = track_slots is not None
     grid = (triton.cdiv(V, block_v), num_layers * HV, N)
     _commit_ring(grid, (
@@ -120,7 +131,8 @@ def commit_ring_triton(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, a
         ring_k.stride(0) if layered else 0, ring_k.stride(1), ring_v.stride(0) if layered else 0, ring_v.stride(1),
         ring_g.stride(0) if layered else 0, ring_g.stride(1), ring_beta.stride(0) if layered else 0,
         ring_beta.stride(1), ring_len, int(null_block_id)),
-        dict(H=H, HV=HV, K=K, V=V, BLOCK_K=triton.next_power_of_2(K), BLOCK_V=block_v,
+        dict(H=H, HV=HV, K=K, V=V, BLOCK_L=STEP_CHUNK, BLOCK_K=triton.next_power_of_2(K),
+             BLOCK_V=block_v,
              USE_QK_L2NORM=bool(use_qk_l2norm), TRACK=track), num_warps=num_warps, num_stages=1)
 
 

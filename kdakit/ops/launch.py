@@ -50,7 +50,8 @@ class CachedKernel:
         device = driver.active.get_current_device()
         stream = driver.active.get_current_stream(device)
         knobs = triton.knobs.runtime
-        kernel.run(grid[0], grid[1], grid[2], stream, kernel.function, kernel.packed_metadata,
+        grid_x, grid_y, grid_z = (*grid, 1, 1)[:3]
+        kernel.run(grid_x, grid_y, grid_z, stream, kernel.function, kernel.packed_metadata,
                    kernel.launch_metadata(grid, stream, *bound), knobs.launch_enter_hook, knobs.launch_exit_hook,
                    *bound)
 

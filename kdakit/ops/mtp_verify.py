@@ -16,42 +16,56 @@ import triton.language as tl
 from .. import contracts, reference
 from ..backends import register, select
 from .launch import CachedKernel
-from .triton_math import delta_rule_update, gated_rmsnorm_rows, kda_log_decay, l2_normalize
+from .gated_rmsnorm import gated_rmsnorm
+from .triton_math import delta_rule_update, kda_log_decay, l2_normalize
 
 
 @triton.jit
-def _conv_input_at(x, stride_x_t, window, stride_win_c, stride_win_w, ch, mask, window_mask,
-                   e: tl.constexpr, W: tl.constexpr):
-    """Position ``e`` of the sequence [persistent window (W-1 values), x_0, x_1, ...]."""
-    if e < W - 1:
-        val = tl.load(window + ch * stride_win_c + e * stride_win_w, mask=window_mask, other=0.0)
-    else:
-        val = tl.load(x + (e - (W - 1)) * stride_x_t + ch, mask=mask, other=0.0)
-    return val.to(tl.float32)
+def row_of(tile, t, BLOCK_ROWS: tl.constexpr):
+    """Row ``t`` of a [BLOCK_ROWS, X] tile, exactly (the other rows contribute +0.0)."""
+    rows = tl.arange(0, BLOCK_ROWS)
+    return tl.sum(tl.where(rows[:, None] == t, tile, 0.0), axis=0)
 
 
 @triton.jit
-def _conv_silu_at(x, stride_x_t, window, stride_win_c, stride_win_w, weight, bias, ch, mask, window_mask,
-                  t: tl.constexpr, W: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """SiLU of the causal conv at step ``t``; the caller rounds it to the activation dtype."""
-    acc = tl.zeros_like(ch.to(tl.float32))
+def _conv_inputs(x, stride_x_t, window, stride_win_c, stride_win_w, ch, mask, live, pos, T, W: tl.constexpr):
+    """Positions ``pos`` ([BLOCK_T, 1]) of the sequence [persistent window (W-1), x_0, x_1, ...]."""
+    in_window = pos < W - 1
+    from_window = tl.load(window + ch[None, :] * stride_win_c + pos * stride_win_w,
+                          mask=in_window & (mask & live)[None, :], other=0.0)
+    x_pos = pos - (W - 1)
+    from_x = tl.load(x + x_pos * stride_x_t + ch[None, :], mask=(x_pos >= 0) & (x_pos < T) & mask[None, :],
+                     other=0.0)
+    return tl.where(in_window, from_window, from_x).to(tl.float32)
+
+
+@triton.jit
+def _conv_silu_steps(x, stride_x_t, window, stride_win_c, stride_win_w, weight, bias, ch, mask, live,
+                     t0, T, W: tl.constexpr, BLOCK_T: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """[BLOCK_T, channels] SiLU(conv) of steps t0 .. t0+BLOCK_T-1 at once, all loads in flight
+    together, taps summed oldest first as the unfused conv kernel sums them
+    (triton_math.short_conv_update)."""
+    pos = t0 + tl.arange(0, BLOCK_T)[:, None]
+    acc = tl.zeros_like(pos.to(tl.float32) + ch[None, :].to(tl.float32))
     for j in tl.static_range(W):
         w = tl.load(weight + ch * W + j, mask=mask, other=0.0)
-        acc += w * _conv_input_at(x, stride_x_t, window, stride_win_c, stride_win_w, ch, mask, window_mask,
-                                  t + j, W)
+        acc += w[None, :] * _conv_inputs(x, stride_x_t, window, stride_win_c, stride_win_w, ch, mask, live,
+                                         pos + j, T, W)
     if HAS_BIAS:
-        acc += tl.load(bias + ch, mask=mask, other=0.0)
+        acc += tl.load(bias + ch, mask=mask, other=0.0)[None, :]
     return acc * tl.sigmoid(acc)
 
 
 @triton.jit
-def _store_window_after(dst, x, stride_x_t, window, stride_win_c, stride_win_w, ch, mask, window_mask,
-                        store_mask, t: tl.constexpr, W: tl.constexpr):
-    """The window after step ``t`` (positions t+1 .. t+W-1), into a contiguous [C, W-1] block."""
+def _store_windows(dst, stride_dst_t, x, stride_x_t, window, stride_win_c, stride_win_w, ch, mask, live,
+                   store_mask, t0, T, W: tl.constexpr, BLOCK_T: tl.constexpr):
+    """The window after each step t of the chunk (positions t+1 .. t+W-1), into contiguous
+    [C, W-1] blocks."""
+    pos = t0 + tl.arange(0, BLOCK_T)[:, None]
     for p in tl.static_range(W - 1):
-        val = _conv_input_at(x, stride_x_t, window, stride_win_c, stride_win_w, ch, mask, window_mask,
-                             t + 1 + p, W)
-        tl.store(dst + ch * (W - 1) + p, val.to(dst.dtype.element_ty), mask=store_mask)
+        val = _conv_inputs(x, stride_x_t, window, stride_win_c, stride_win_w, ch, mask, live, pos + 1 + p, T, W)
+        tl.store(dst + pos * stride_dst_t + ch[None, :] * (W - 1) + p, val.to(dst.dtype.element_ty),
+                 mask=(pos < T) & (store_mask & mask)[None, :])
 
 
 @triton.jit
@@ -59,21 +73,23 @@ def _mtp_verify_kernel(
     q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, out,
     w_q, w_k, w_v, bias_q, bias_k, bias_v,
     cs_q, cs_k, cs_v, ic_q, ic_k, ic_v,
-    snapshots, ring_k, ring_v, ring_g, ring_beta, norm_gate, norm_weight,
+    snapshots, ring_k, ring_v, ring_g, ring_beta,
     stride_state_slot,
     s_csq_slot, s_csq_c, s_csq_w, s_csk_slot, s_csk_c, s_csk_w, s_csv_slot, s_csv_c, s_csv_w,
     s_icq_row, s_icq_t, s_ick_row, s_ick_t, s_icv_row, s_icv_t,
     s_snap_row, s_snap_t,
     s_rk_slot, s_rv_slot, s_rg_slot, s_rb_slot, ring_len,
-    scale, lower_bound, norm_eps,
+    scale, lower_bound,
     T: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
     HAS_CONV: tl.constexpr, HAS_CONV_BIAS: tl.constexpr, SNAPSHOT: tl.constexpr, RING: tl.constexpr,
-    NORM: tl.constexpr, SAFE_GATE: tl.constexpr,
+    SAFE_GATE: tl.constexpr,
 ):
-    # One program: BLOCK_V state rows of one (request, value head), carried in
-    # registers through all T steps. Data shared by the programs of a key head
-    # (k ring, q/k windows) has one writer: the first value head of the group, V tile 0.
+    # One program: BLOCK_V state rows of one (request, value head), carried in registers
+    # through the T steps. The per-step inputs (conv included) of a chunk of STEP_CHUNK
+    # steps are loaded and prepared at once, so only the recurrence itself is sequential. Data shared by the
+    # programs of a key head (k ring, q/k windows) has one writer: the group's first value
+    # head, V tile 0.
     i_v, i_hv, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     G: tl.constexpr = HV // H
     i_h = i_hv // G
@@ -96,75 +112,80 @@ def _mtp_verify_kernel(
     x_v = v + n64 * T * HV * V
     ch_qk = i_h * K + offs_k                      # channel index inside the q / k convs
     ch_v = i_hv * V + offs_v
-    A_log_h = tl.load(A_log + i_hv).to(tl.float32)
     bias = tl.load(dt_bias + i_hv * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-    if NORM:
-        w_norm = tl.load(norm_weight + offs_v, mask=mask_v, other=0.0).to(tl.float32)
+    A_log_h = tl.load(A_log + i_hv).to(tl.float32)
+    if HAS_CONV:
+        win_q = cs_q + slot * s_csq_slot
+        win_k = cs_k + slot * s_csk_slot
+        win_v = cs_v + slot * s_csv_slot
 
-    for t in tl.static_range(T):
+    for chunk in tl.static_range(0, T, BLOCK_T):
+        steps = chunk + tl.arange(0, BLOCK_T)
+        mask_t = steps < T
+        tk_mask = mask_t[:, None] & mask_k[None, :]
+        tv_mask = mask_t[:, None] & mask_v[None, :]
         if HAS_CONV:
-            win_q = cs_q + slot * s_csq_slot
-            win_k = cs_k + slot * s_csk_slot
-            win_v = cs_v + slot * s_csv_slot
-            q_t = _conv_silu_at(x_q, H * K, win_q, s_csq_c, s_csq_w, w_q, bias_q, ch_qk, mask_k,
-                                live & mask_k, t, W, HAS_CONV_BIAS)
-            k_t = _conv_silu_at(x_k, H * K, win_k, s_csk_c, s_csk_w, w_k, bias_k, ch_qk, mask_k,
-                                live & mask_k, t, W, HAS_CONV_BIAS)
-            v_t = _conv_silu_at(x_v, HV * V, win_v, s_csv_c, s_csv_w, w_v, bias_v, ch_v, mask_v,
-                                live & mask_v, t, W, HAS_CONV_BIAS)
             # Post-conv values are stored in the activation dtype by an unfused conv: round alike.
-            q_t = q_t.to(q.dtype.element_ty).to(tl.float32)
-            k_t = k_t.to(q.dtype.element_ty).to(tl.float32)
-            v_t = v_t.to(q.dtype.element_ty).to(tl.float32)
-            _store_window_after(ic_q + row * s_icq_row + t * s_icq_t, x_q, H * K, win_q, s_csq_c,
-                                s_csq_w, ch_qk, mask_k, live & mask_k, writes_key_head & mask_k, t, W)
-            _store_window_after(ic_k + row * s_ick_row + t * s_ick_t, x_k, H * K, win_k, s_csk_c,
-                                s_csk_w, ch_qk, mask_k, live & mask_k, writes_key_head & mask_k, t, W)
-            _store_window_after(ic_v + row * s_icv_row + t * s_icv_t, x_v, HV * V, win_v, s_csv_c,
-                                s_csv_w, ch_v, mask_v, live & mask_v, live & mask_v, t, W)
+            q_all = _conv_silu_steps(x_q, H * K, win_q, s_csq_c, s_csq_w, w_q, bias_q, ch_qk, mask_k, live, chunk,
+                                     T, W, BLOCK_T, HAS_CONV_BIAS).to(q.dtype.element_ty).to(tl.float32)
+            k_all = _conv_silu_steps(x_k, H * K, win_k, s_csk_c, s_csk_w, w_k, bias_k, ch_qk, mask_k, live, chunk,
+                                     T, W, BLOCK_T, HAS_CONV_BIAS).to(q.dtype.element_ty).to(tl.float32)
+            v_all = _conv_silu_steps(x_v, HV * V, win_v, s_csv_c, s_csv_w, w_v, bias_v, ch_v, mask_v, live, chunk,
+                                     T, W, BLOCK_T, HAS_CONV_BIAS).to(q.dtype.element_ty).to(tl.float32)
+            _store_windows(ic_q + row * s_icq_row, s_icq_t, x_q, H * K, win_q, s_csq_c, s_csq_w, ch_qk, mask_k,
+                           live, writes_key_head, chunk, T, W, BLOCK_T)
+            _store_windows(ic_k + row * s_ick_row, s_ick_t, x_k, H * K, win_k, s_csk_c, s_csk_w, ch_qk, mask_k,
+                           live, writes_key_head, chunk, T, W, BLOCK_T)
+            _store_windows(ic_v + row * s_icv_row, s_icv_t, x_v, HV * V, win_v, s_csv_c, s_csv_w, ch_v, mask_v,
+                           live, live, chunk, T, W, BLOCK_T)
         else:
-            q_t = tl.load(x_q + t * H * K + ch_qk, mask=mask_k, other=0.0).to(tl.float32)
-            k_t = tl.load(x_k + t * H * K + ch_qk, mask=mask_k, other=0.0).to(tl.float32)
-            v_t = tl.load(x_v + t * HV * V + ch_v, mask=mask_v, other=0.0).to(tl.float32)
+            q_all = tl.load(x_q + steps[:, None] * H * K + ch_qk[None, :], mask=tk_mask, other=0.0).to(tl.float32)
+            k_all = tl.load(x_k + steps[:, None] * H * K + ch_qk[None, :], mask=tk_mask, other=0.0).to(tl.float32)
+            v_all = tl.load(x_v + steps[:, None] * HV * V + ch_v[None, :], mask=tv_mask, other=0.0).to(tl.float32)
+        tok = n64 * T + steps
+        a_all = tl.load(a + (tok[:, None] * HV + i_hv) * K + offs_k[None, :], mask=tk_mask, other=0.0)
+        g_all = kda_log_decay(a_all.to(tl.float32), bias[None, :], A_log_h, lower_bound, SAFE_GATE)
+        beta_all = tl.sigmoid(tl.load(b + tok * HV + i_hv, mask=mask_t, other=0.0).to(tl.float32))
+        if RING:  # the raw per-step inputs of the commit's replay
+            ring_steps = steps[:, None]
+            tl.store(ring_k + slot * s_rk_slot + (i_h * ring_len + ring_steps) * K + offs_k[None, :],
+                     k_all.to(ring_k.dtype.element_ty), mask=tk_mask & writes_key_head)
+            tl.store(ring_v + slot * s_rv_slot + (i_hv * ring_len + ring_steps) * V + offs_v[None, :],
+                     v_all.to(ring_v.dtype.element_ty), mask=tv_mask & live)
+            tl.store(ring_g + slot * s_rg_slot + (i_hv * ring_len + ring_steps) * K + offs_k[None, :],
+                     g_all.to(ring_g.dtype.element_ty), mask=tk_mask & writes_head)
+            tl.store(ring_beta + slot * s_rb_slot + i_hv * ring_len + steps,
+                     beta_all.to(ring_beta.dtype.element_ty), mask=mask_t & writes_head)
 
-        tok = n64 * T + t
-        a_t = tl.load(a + (tok * HV + i_hv) * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-        g_t = kda_log_decay(a_t, bias, A_log_h, lower_bound, SAFE_GATE)
-        beta_t = tl.sigmoid(tl.load(b + tok * HV + i_hv).to(tl.float32))
-        q_hat = l2_normalize(q_t) * scale
-        k_hat = l2_normalize(k_t)
-        S = delta_rule_update(S, k_hat, v_t, g_t, beta_t)
-        o = tl.sum(S * q_hat[None, :], axis=1)
-        if NORM:
-            gate = tl.load(norm_gate + (tok * HV + i_hv) * V + offs_v, mask=mask_v, other=0.0).to(tl.float32)
-            o = gated_rmsnorm_rows(o, gate, w_norm, norm_eps, V)
-        o = tl.where(live, o, 0.0)
-        tl.store(out + (tok * HV + i_hv) * V + offs_v, o.to(out.dtype.element_ty), mask=mask_v)
-
-        if SNAPSHOT:
-            snap = snapshots + row * s_snap_row + t * s_snap_t + i_hv * V * K
-            tl.store(snap + offs_v[:, None] * K + offs_k[None, :], S.to(snapshots.dtype.element_ty), mask=mask_s)
-        if RING:
-            rk = ring_k + slot * s_rk_slot + (i_h * ring_len + t) * K + offs_k
-            tl.store(rk, k_t.to(ring_k.dtype.element_ty), mask=writes_key_head & mask_k)
-            rv = ring_v + slot * s_rv_slot + (i_hv * ring_len + t) * V + offs_v
-            tl.store(rv, v_t.to(ring_v.dtype.element_ty), mask=live & mask_v)
-            rg = ring_g + slot * s_rg_slot + (i_hv * ring_len + t) * K + offs_k
-            tl.store(rg, g_t.to(ring_g.dtype.element_ty), mask=writes_head & mask_k)
-            tl.store(ring_beta + slot * s_rb_slot + i_hv * ring_len + t, beta_t.to(ring_beta.dtype.element_ty),
-                     mask=writes_head)
+        for j in tl.static_range(BLOCK_T):
+            if chunk + j < T:
+                q_hat = l2_normalize(row_of(q_all, j, BLOCK_T)) * scale
+                k_hat = l2_normalize(row_of(k_all, j, BLOCK_T))
+                beta_t = tl.sum(tl.where(tl.arange(0, BLOCK_T) == j, beta_all, 0.0), axis=0)
+                S = delta_rule_update(S, k_hat, row_of(v_all, j, BLOCK_T), row_of(g_all, j, BLOCK_T), beta_t)
+                o = tl.where(live, tl.sum(S * q_hat[None, :], axis=1), 0.0)
+                tl.store(out + ((n64 * T + chunk + j) * HV + i_hv) * V + offs_v, o.to(out.dtype.element_ty),
+                         mask=mask_v)
+                if SNAPSHOT:
+                    snap = snapshots + row * s_snap_row + (chunk + j) * s_snap_t + i_hv * V * K
+                    tl.store(snap + offs_v[:, None] * K + offs_k[None, :], S.to(snapshots.dtype.element_ty),
+                             mask=mask_s)
 
 
 _mtp_verify = CachedKernel(_mtp_verify_kernel)
 
 
-def verify_block_v(V: int, K: int, norm: bool) -> tuple[int, int]:
-    """(BLOCK_V, num_warps). The fused norm needs a whole V row in one program.
+# Steps whose inputs are prepared together: enough to overlap their loads, few enough that
+# the [STEP_CHUNK, K] tiles stay in registers. The ring commit uses the same chunk, so the
+# rows it extracts and normalises come from identically laid-out tiles.
+STEP_CHUNK = 4
 
-    A ring commit replays the same math with the same tile shape, so its K
-    reductions round exactly like the verify's (commit.py imports this)."""
-    if norm:
-        return triton.next_power_of_2(V), 8
+
+def recurrence_tile(V: int, K: int) -> tuple[int, int]:
+    """(BLOCK_V, num_warps) of every kernel that runs the verify recurrence: 4 KB of float32
+    state rows per warp. The ring commit replays with the same tile, so its reductions
+    round exactly like the verify's and a ring commit equals a snapshot commit bitwise;
+    that is also why the output norm runs as a second kernel rather than on a full-row tile."""
     return max(1, min(triton.next_power_of_2(V), 4096 // (triton.next_power_of_2(K) * 4))), 1
 
 
@@ -189,26 +210,29 @@ def mtp_verify_triton(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratc
     ic_q, ic_k, ic_v = intermediate_conv if has_conv else (None,) * 3
     ring_k, ring_v, ring_g, ring_beta = rings if rings is not None else (None,) * 4
     norm = norm_weight is not None
-    block_v, num_warps = verify_block_v(V, K, norm)
+    raw_out = torch.empty(out.shape, dtype=torch.float32, device=out.device) if norm else out
+    block_v, num_warps = recurrence_tile(V, K)
     grid = (triton.cdiv(V, block_v), HV, N)
     args = (
-        q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, out,
+        q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, raw_out,
         w_q, w_k, w_v, bias_q, bias_k, bias_v,
         *(t if t is not None else dummy for t in (cs_q, cs_k, cs_v, ic_q, ic_k, ic_v)),
-        *(t if t is not None else dummy for t in (snapshots, ring_k, ring_v, ring_g, ring_beta, norm_gate,
-                                                  norm_weight)),
+        *(t if t is not None else dummy for t in (snapshots, ring_k, ring_v, ring_g, ring_beta)),
         state.stride(0),
         *_strides(cs_q, (0, 1, 2)), *_strides(cs_k, (0, 1, 2)), *_strides(cs_v, (0, 1, 2)),
         *_strides(ic_q, (0, 1)), *_strides(ic_k, (0, 1)), *_strides(ic_v, (0, 1)),
         *_strides(snapshots, (0, 1)),
         *_strides(ring_k, (0,)), *_strides(ring_v, (0,)), *_strides(ring_g, (0,)), *_strides(ring_beta, (0,)),
         ring_k.shape[2] if ring_k is not None else 0,
-        float(scale), float(lower_bound) if lower_bound is not None else 0.0, float(norm_eps),
+        float(scale), float(lower_bound) if lower_bound is not None else 0.0,
     )
     _mtp_verify(grid, args, dict(
-        T=T, H=H, HV=HV, K=K, V=V, W=W, BLOCK_K=triton.next_power_of_2(K), BLOCK_V=block_v,
-        HAS_CONV=has_conv, HAS_CONV_BIAS=conv_bias is not None, SNAPSHOT=snapshots is not None and rings is None,
-        RING=rings is not None, NORM=norm, SAFE_GATE=lower_bound is not None), num_warps=num_warps, num_stages=1)
+        T=T, H=H, HV=HV, K=K, V=V, W=W, BLOCK_T=STEP_CHUNK, BLOCK_K=triton.next_power_of_2(K),
+        BLOCK_V=block_v, HAS_CONV=has_conv, HAS_CONV_BIAS=conv_bias is not None,
+        SNAPSHOT=snapshots is not None and rings is None, RING=rings is not None, SAFE_GATE=lower_bound is not None),
+        num_warps=num_warps, num_stages=1)
+    if norm:  # padding rows stay zero: their raw output is zero, and so is its norm
+        gated_rmsnorm(raw_out, norm_gate, norm_weight, eps=norm_eps, out=out, backend="triton")
     return out
 
 

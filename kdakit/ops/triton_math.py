@@ -43,3 +43,39 @@ def gated_rmsnorm_rows(o, gate, weight, eps, V: tl.constexpr):
     """o, gate, weight [BLOCK_V] (a full row of V, masked lanes zero)."""
     inv_rms = 1.0 / tl.sqrt(tl.sum(o * o, axis=0) / V + eps)
     return o * inv_rms * weight * tl.sigmoid(gate)
+
+
+@triton.jit
+def short_conv_update(x_ptrs, win_ptrs, w_ptrs, bias_ptrs, stride_tap, mask, live,
+                      W: tl.constexpr, BLOCK_TAPS: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """One token of the causal short conv with SiLU for a block of channels, window shifted in place.
+
+    ``x_ptrs``: the token's inputs; ``win_ptrs``: tap 0 (oldest) of each channel's window,
+    taps ``stride_tap`` apart; ``w_ptrs``: each channel's row of a contiguous ``[C, W]``
+    float32 weight; ``bias_ptrs`` read only with ``HAS_BIAS``; ``mask``: channel lanes;
+    ``live``: scalar, False for padding rows (no window access). Returns the post-conv
+    values in float32, rounded to the input dtype exactly as an unfused conv stores them.
+    """
+    taps = tl.arange(0, BLOCK_TAPS)
+    tap_mask = taps[None, :] < W - 1
+    win_mask = (mask & live)[:, None] & tap_mask
+    x = tl.load(x_ptrs, mask=mask, other=0.0)
+    win = tl.load(win_ptrs[:, None] + taps[None, :] * stride_tap, mask=win_mask, other=0.0)
+    winf = win.to(tl.float32)
+    # Taps are summed oldest first in a fixed order (each one picked out exactly), so every
+    # kernel that calls this rounds the same whatever tile layout the compiler picks.
+    acc = tl.zeros_like(x.to(tl.float32))
+    for j in tl.static_range(W - 1):
+        tap = tl.sum(tl.where(taps[None, :] == j, winf, 0.0), axis=1)
+        acc += tl.load(w_ptrs + j, mask=mask, other=0.0) * tap
+    acc += tl.load(w_ptrs + (W - 1), mask=mask, other=0.0) * x.to(tl.float32)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptrs, mask=mask, other=0.0)
+    y = (acc * tl.sigmoid(acc)).to(x.dtype).to(tl.float32)
+    # A window tap may be held by several threads (replicated layouts); every thread must
+    # have read the old window before any thread writes the shifted one.
+    tl.debug_barrier()
+    tl.store(win_ptrs[:, None] + (taps[None, :] - 1) * stride_tap, win,
+             mask=win_mask & (taps[None, :] >= 1))
+    tl.store(win_ptrs + (W - 2) * stride_tap, x.to(win_ptrs.dtype.element_ty), mask=mask & live)
+    return y

@@ -1,0 +1,219 @@
+"""Speculative verify and commit on the GPU: checks at real sizes, then timings.
+
+    python benchmarks/bench_mtp.py [--quick]
+
+Verify in snapshot and ring mode (inputs already convolved, and with the short conv
+fused), the snapshot and ring commits, and fla's speculative serving path
+(`fused_recurrent_kda_fwd` with 2-D `ssm_state_indices` and `num_accepted_tokens`,
+a state written to a pool slot after every token) on the same work, HBM-resident.
+Floors: snapshot verify moves (1 + T) states per request, ring verify about one,
+a fold commit one read and one write of each committed state.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+import harness  # noqa: E402
+
+import kdakit  # noqa: E402
+from kdakit import reference  # noqa: E402
+
+H = HV = 32
+K = V = 128
+W = 4
+LOWER_BOUND = -5.0
+STATE_BYTES = HV * V * K * 4
+
+
+def make_layer(N, T, *, conv, mode, seed=0, norm=False, ring_len=None, slots=None):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    dev, bf = "cuda", torch.bfloat16
+    slots = slots or 2 * N + 2
+    ring_len = ring_len or T
+
+    def rnd(*shape, s=1.0):
+        return (torch.randn(*shape, device=dev, generator=g) * s).to(bf)
+    L = {"q": rnd(N, T, H, K), "k": rnd(N, T, H, K), "v": rnd(N, T, HV, V), "a": rnd(N, T, HV, K),
+         "b": rnd(N, T, HV), "A_log": torch.rand(HV, device=dev, generator=g) * 2 - 1,
+         "dt_bias": torch.randn(HV * K, device=dev, generator=g) * 0.5,
+         "state": torch.randn(slots, HV, V, K, device=dev, generator=g) * 0.3,
+         "slots": torch.randperm(slots, device=dev, generator=g)[:N].to(torch.int32),
+         "scratch_idx": torch.randperm(N, device=dev, generator=g).to(torch.int32)}
+    channels = (H * K, H * K, HV * V)
+    if conv:
+        L["conv_weights"] = tuple(torch.randn(c, W, device=dev, generator=g) * 0.5 for c in channels)
+        L["conv_states"] = tuple(rnd(slots, c, W - 1) for c in channels)
+        L["intermediate_conv"] = tuple(torch.empty(N, T, c, W - 1, device=dev, dtype=bf) for c in channels)
+    if mode == "snapshot":
+        L["snapshots"] = torch.empty(N, T, HV, V, K, device=dev)
+    else:
+        L["rings"] = (torch.empty(slots, H, ring_len, K, device=dev, dtype=bf),
+                      torch.empty(slots, HV, ring_len, V, device=dev, dtype=bf),
+                      torch.empty(slots, HV, ring_len, K, device=dev), torch.empty(slots, HV, ring_len, device=dev))
+    if norm:
+        L["norm_gate"] = rnd(N, T, HV, V)
+        L["norm_weight"] = torch.rand(V, device=dev, generator=g) + 0.5
+    L["out"] = torch.empty(N, T, HV, V, device=dev, dtype=bf)
+    return L
+
+
+def verify_call(L):
+    return lambda: kdakit.mtp_verify(
+        L["q"], L["k"], L["v"], L["a"], L["b"], L["A_log"], L["dt_bias"], L["state"], L["slots"], L["scratch_idx"],
+        conv_weights=L.get("conv_weights"), conv_states=L.get("conv_states"),
+        intermediate_conv=L.get("intermediate_conv"), snapshots=L.get("snapshots"), rings=L.get("rings"),
+        lower_bound=LOWER_BOUND, norm_gate=L.get("norm_gate"), norm_weight=L.get("norm_weight"), out=L["out"])
+
+
+def rel(x, y):
+    x, y = x.double(), y.double()
+    return float((x - y).norm() / y.norm()) if torch.isfinite(x).all() else float("inf")
+
+
+def ref_verify(L, mode):
+    out = torch.empty(L["out"].shape, dtype=torch.float64, device="cuda")
+    snaps = torch.zeros(L["snapshots"].shape, dtype=torch.float64, device="cuda") if mode == "snapshot" else None
+    inter = tuple(torch.zeros_like(t) for t in L["intermediate_conv"]) if "conv_weights" in L else None
+    rings = tuple(torch.zeros_like(r, dtype=torch.float64) for r in L["rings"]) if mode == "ring" else None
+    reference.mtp_verify(L["q"], L["k"], L["v"], L["a"], L["b"], L["A_log"].double(), L["dt_bias"].double(),
+                         L["state"].double(), L["slots"], L["scratch_idx"], out,
+                         conv_weights=tuple(w.double() for w in L["conv_weights"]) if "conv_weights" in L else None,
+                         conv_states=L.get("conv_states"), intermediate_conv=inter, snapshots=snaps, rings=rings,
+                         lower_bound=LOWER_BOUND, norm_gate=L.get("norm_gate"),
+                         norm_weight=L["norm_weight"].double() if "norm_weight" in L else None,
+                         compute_dtype=torch.float64)
+    return out, snaps, rings
+
+
+def correctness(results):
+    for N, T, conv, norm in ((1, 2, True, False), (8, 4, True, True), (64, 8, False, False), (33, 4, True, False)):
+        for mode in ("snapshot", "ring"):
+            L = make_layer(N, T, conv=conv, mode=mode, norm=norm, seed=N * 10 + T)
+            L["slots"][N // 2] = -1 if N > 2 else L["slots"][N // 2]
+            state_before = L["state"].clone()
+            verify_call(L)()
+            ref_out, ref_snaps, ref_rings = ref_verify(L, mode)
+            live = (L["slots"] >= 0).nonzero().flatten()
+            e_out = rel(L["out"][live], ref_out[live])
+            if mode == "snapshot":
+                rows = L["scratch_idx"][live].long()
+                e_pool = rel(L["snapshots"][rows], ref_snaps[rows])
+            else:
+                s = L["slots"][live].long()
+                e_pool = max(rel(r[s], rr[s]) for r, rr in zip(L["rings"], ref_rings))
+            untouched = torch.equal(L["state"], state_before)
+            ok = e_out < 2e-2 and e_pool < 1e-2 and untouched
+            results["checks"].append({"case": f"verify-{mode}-N{N}-T{T}-conv{int(conv)}-norm{int(norm)}",
+                                      "out_err": e_out, "pool_err": e_pool, "ok": ok})
+    # ring commit == snapshot commit, bitwise, on the GPU (norm on and off, rings longer than T)
+    for norm, ring_len in ((False, None), (True, None), (False, 8), (True, 16)):
+        N, T = 16, 4
+        snap_layer = make_layer(N, T, conv=True, mode="snapshot", seed=7, norm=norm)
+        ring_layer = dict(make_layer(N, T, conv=True, mode="ring", seed=7, norm=norm, ring_len=ring_len))
+        verify_call(snap_layer)()
+        verify_call(ring_layer)()
+        accept = torch.randint(1, T + 1, (N,), device="cuda", dtype=torch.int32)
+        s1, s2 = snap_layer["state"].clone(), ring_layer["state"].clone()
+        kdakit.commit_snapshots(s1, snap_layer["snapshots"], snap_layer["slots"], snap_layer["scratch_idx"],
+                                accept - 1)
+        kdakit.commit_ring(s2, *ring_layer["rings"], ring_layer["slots"], accept)
+        same = torch.equal(s1, s2)
+        results["checks"].append({"case": f"ring-commit-bitwise-snapshot-commit-norm{int(norm)}-L{ring_len or T}",
+                                  "ok": same and torch.equal(snap_layer["out"], ring_layer["out"]),
+                                  "pool_err": float((s1 - s2).abs().max())})
+
+
+def fla_spec_call(L, T):
+    """fla's serving path on the same (already convolved) tokens: one read, T pool writes."""
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+    N = L["q"].shape[0]
+    q, k, v = (L[x].view(1, N * T, *L[x].shape[2:]) for x in ("q", "k", "v"))
+    gate, beta = L["a"].view(1, N * T, HV, K), L["b"].view(1, N * T, HV)
+    cu = torch.arange(0, N * T + 1, T, device="cuda", dtype=torch.int32)
+    # fla reads the initial state from idx[n, 0] (one accepted token) and writes the state after
+    # token t to idx[n, t]: the request's slot, then T - 1 spare slots (snapshot traffic)
+    used = set(L["slots"].tolist())
+    spare = torch.tensor([s for s in range(L["state"].shape[0]) if s not in used][:N * (T - 1)], device="cuda")
+    idx = torch.cat([L["slots"][:, None].long(), spare.view(N, T - 1)], dim=1).to(torch.int32).contiguous()
+    L["fla_idx"] = idx
+    accepted = torch.ones(N, device="cuda", dtype=torch.int32)
+    out = torch.empty(1, N * T, HV, V, device="cuda", dtype=torch.bfloat16)
+    L["fla_out"] = out
+    return lambda: fused_recurrent_kda_fwd(
+        q=q, k=k, v=v, g=gate, beta=beta, A_log=L["A_log"], dt_bias=L["dt_bias"], initial_state=L["state"],
+        scale=K ** -0.5, output_final_state=True, inplace_final_state=True, state_v_first=True, cu_seqlens=cu,
+        ssm_state_indices=idx, num_accepted_tokens=accepted, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+        use_beta_sigmoid_in_kernel=True, lower_bound=LOWER_BOUND, out=out)
+
+
+def timings(results, quick):
+    ceiling = results["copy_ceiling_GBps"]
+    batches = (8, 64) if quick else (1, 8, 64, 256)
+    for num_spec in (1, 3, 7):
+        T = 1 + num_spec
+        for N in batches:
+            base = {"num_spec": num_spec, "N": N}
+            for mode, conv in (("snapshot", False), ("ring", False), ("snapshot", True), ("ring", True)):
+                moved = N * STATE_BYTES * ((1 + T) if mode == "snapshot" else 1)
+                nl = harness.layers_for(moved)
+                layers = [make_layer(N, T, conv=conv, mode=mode, seed=i, slots=N * (T + 1) + 2) for i in range(nl)]
+                t = harness.graph_time_us([verify_call(L) for L in layers])
+                results["rows"].append(harness.row(f"verify-{mode}{'-conv' if conv else ''}", t, moved, ceiling,
+                                                   **base, layers=nl))
+                if mode == "ring" and not conv:
+                    for L in layers:
+                        verify_call(L)()
+                    accept = [torch.randint(1, T + 1, (N,), device="cuda", dtype=torch.int32) for _ in layers]
+                    moved_commit = 2 * N * STATE_BYTES
+                    t = harness.graph_time_us([
+                        (lambda L=L, acc=acc: kdakit.commit_ring(L["state"], *L["rings"], L["slots"], acc))
+                        for L, acc in zip(layers, accept)])
+                    results["rows"].append(harness.row("commit-ring", t, moved_commit, ceiling, **base, layers=nl))
+                if mode == "snapshot" and not conv:
+                    for L in layers:
+                        verify_call(L)()
+                    steps = [torch.randint(0, T, (N,), device="cuda", dtype=torch.int32) for _ in layers]
+                    t = harness.graph_time_us([
+                        (lambda L=L, s=s: kdakit.commit_snapshots(L["state"], L["snapshots"], L["slots"],
+                                                                  L["scratch_idx"], s))
+                        for L, s in zip(layers, steps)])
+                    results["rows"].append(harness.row("commit-snapshot", t, 2 * N * STATE_BYTES, ceiling, **base,
+                                                       layers=nl))
+                    try:
+                        ref_out = ref_verify(layers[0], "snapshot")[0]
+                        calls = [fla_spec_call(L, T) for L in layers]
+                        calls[0]()
+                        err = rel(layers[0]["fla_out"].view(ref_out.shape), ref_out)
+                        t = harness.graph_time_us(calls)
+                        results["rows"].append(harness.row("fla-spec-chain", t, moved, ceiling, **base, layers=nl,
+                                                           err=round(err, 6)))
+                    except Exception as exc:
+                        results["rows"].append({"name": "fla-spec-chain", **base, "error": repr(exc)[:200]})
+                del layers
+                torch.cuda.empty_cache()
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--name", default="mtp_h200")
+    args = parser.parse_args()
+    results = {"env": harness.environment(), "checks": [], "rows": []}
+    results["copy_ceiling_GBps"] = round(harness.copy_ceiling_gbps(), 1)
+    correctness(results)
+    timings(results, args.quick)
+    path = harness.save(results, args.name)
+    print(f"copy ceiling {results['copy_ceiling_GBps']} GB/s; saved {path}")
+    harness.print_table(results["checks"], ["case", "ok", "out_err", "pool_err"])
+    harness.print_table(results["rows"], ["name", "num_spec", "N", "us", "GB/s", "pct_of_copy", "layers", "err"])
+    bad = [c["case"] for c in results["checks"] if not c["ok"]]
+    print("CHECKS FAILED:" if bad else "all checks ok", bad)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,221 @@
+"""fla-core 0.6.0's ``fused_recurrent_kda`` and ``fused_recurrent_kda_fwd``: same names,
+parameters, defaults, return values and varlen error texts, on kdakit's kernel.
+
+State layout: fla's default is K-major ``[N, HV, K, V]``; ``state_v_first=True`` takes
+the V-major ``[N, HV, V, K]`` pool of sglang and kdakit. kdakit's kernel addresses the
+state through four strides, so a K-major pool is passed as a transposed *view* (no copy,
+no transpose kernel around the call); states we allocate use the caller's layout.
+
+Where we differ from fla 0.6.0 (each a place where fla drops or corrupts data):
+- ``fused_recurrent_kda`` honours ``ssm_state_indices``, ``num_accepted_tokens`` and
+  ``out`` passed through ``**kwargs`` (fla 0.6.0 silently drops them). With
+  ``ssm_state_indices`` the initial-state count check compares the number of index
+  rows, not the pool size, with the number of sequences.
+- A negative slot index reads as a zero state and is never written (fla: out of bounds).
+- 2-D ``ssm_state_indices`` honour their token stride (fla 0.6.0 assumes it is 1).
+- 1-D ``ssm_state_indices`` with several tokens per sequence: the sequence starts from
+  its slot and its final state goes back there (fla 0.6.0 writes token ``t`` of
+  sequence ``n`` to ``ssm_state_indices[n + t]``, another request's slot). With
+  ``num_accepted_tokens`` the indices must be 2-D.
+- Not in place with ``ssm_state_indices``: ``final_state`` is the per-token states
+  ``[T_total, HV, ...]`` float32 (what newer fla allocates; 0.6.0 allocates ``N`` rows
+  and overruns them when a sequence has more than one token), or ``None`` without
+  ``output_final_state`` (fla 0.6.0 would write through a null pointer).
+- ``inplace_final_state=True`` without ``initial_state``, and any other malformed input,
+  raise ``ValueError`` (fla: ``assert`` or a silent out-of-bounds access).
+- A per-value-channel (headwise) ``beta [B, T, HV, V]`` is not supported (ValueError).
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from .. import contracts
+from ..ops.recurrent_forward import BETA_AS_IS, BETA_SIGMOID, BETA_SIGMOID_X2, run_recurrent_forward
+
+
+def _v_major(t, state_v_first):
+    """A ``[.., K, V]`` tensor as the V-major view the kernel addresses."""
+    return t if (t is None or state_v_first) else t.transpose(-1, -2)
+
+
+def fused_recurrent_kda_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    initial_state: torch.Tensor | None = None,
+    scale: float | None = None,
+    output_final_state: bool = False,
+    inplace_final_state: bool = True,
+    state_v_first: bool = False,
+    cu_seqlens: torch.LongTensor | None = None,
+    ssm_state_indices: torch.Tensor | None = None,
+    num_accepted_tokens: torch.Tensor | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    lower_bound: float | None = None,
+    out: torch.Tensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fla's serving entry. Returns ``(out, final_state)``: ``out [B, T, HV, V]`` (the
+    caller's, or a new zeroed one in ``v``'s dtype); ``final_state`` is ``initial_state``
+    itself when ``inplace_final_state`` (updated in place), else a new float32 tensor
+    (per sequence, or per token with ``ssm_state_indices``) when ``output_final_state``,
+    else ``None``.
+
+    In place: ``ssm_state_indices`` (1-D ``[N]`` or 2-D ``[N, T_max]`` with
+    ``num_accepted_tokens``) address the pool ``initial_state``; without them sequence
+    ``n`` uses ``initial_state[n]``.
+    """
+    if q.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"`q`/`v` must be 4D [B, T, H, K] / [B, T, HV, V] (got q.ndim={q.dim()}, v.ndim={v.dim()}).")
+    if scale is None:
+        scale = k.shape[-1] ** -0.5
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    if out is None:
+        out = torch.zeros_like(v)
+    if beta.dim() == v.dim():
+        raise ValueError("A per-value-channel (headwise) `beta` [B, T, HV, V] is not supported by kdakit; "
+                         "pass beta [B, T, HV].")
+    # Equal-length batches run as one flattened varlen batch (views when contiguous).
+    if cu_seqlens is None and B != 1 and k.dim() == 4 and g.dim() == 4 and beta.dim() == 3:
+        if not (out.shape == v.shape):
+            raise ValueError(f"`out` must have the shape of `v` {tuple(v.shape)} (got {tuple(out.shape)}).")
+        try:
+            out_flat = out.view(1, B * T, HV, V)
+        except RuntimeError:
+            raise ValueError("`out` must be contiguous over its batch and time dims.") from None
+        q, k, v, g = (x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g))
+        beta = beta.reshape(1, B * T, *beta.shape[2:])
+        cu_seqlens = torch.arange(0, B * T + 1, T, device=q.device, dtype=torch.int32)
+    else:
+        out_flat = out
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+
+    # The gate, as fla computes it: A_log None means exp(A) -> 1 in the safe gate and
+    # A -> 1 in the default gate (fla's kernel uses 1.0 for both).
+    if use_gate_in_kernel:
+        if A_log is None:
+            A_log = torch.full((HV,), 0.0 if lower_bound is not None else 1.0, device=q.device, dtype=torch.float32)
+        if dt_bias is None:
+            dt_bias = torch.zeros(HV * K, device=q.device, dtype=torch.float32)
+    else:
+        A_log = dt_bias = lower_bound = None  # g is the log-decay; fla ignores them
+    beta_mode = BETA_AS_IS
+    if use_beta_sigmoid_in_kernel:
+        beta_mode = BETA_SIGMOID_X2 if allow_neg_eigval else BETA_SIGMOID
+
+    token_states = final_states = None
+    write = True
+    if inplace_final_state:
+        if initial_state is None:
+            raise ValueError("`inplace_final_state=True` needs `initial_state` (the pool updated in place).")
+        pool, final_state = initial_state, initial_state
+        if ssm_state_indices is None:
+            if initial_state.dim() == 4 and initial_state.shape[0] != N:
+                raise ValueError(f"The number of initial states is expected to be equal to the number of input "
+                                 f"sequences, i.e., {N} rather than {initial_state.shape[0]}.")
+            slots = torch.arange(N, device=q.device, dtype=torch.int32)
+        else:
+            slots = ssm_state_indices
+    else:
+        write = False
+        alloc = (HV, V, K) if state_v_first else (HV, K, V)
+        if initial_state is None:  # zero initial states: every slot reads as padding
+            pool = q.new_empty(0, *alloc, dtype=torch.float32)
+            shape = (N,) if ssm_state_indices is None else tuple(ssm_state_indices.shape)
+            slots = torch.full(shape, -1, device=q.device, dtype=torch.int32)
+        else:
+            pool = initial_state
+            if ssm_state_indices is None:
+                if initial_state.dim() == 4 and initial_state.shape[0] != N:
+                    raise ValueError(f"The number of initial states is expected to be equal to the number of "
+                                     f"input sequences, i.e., {N} rather than {initial_state.shape[0]}.")
+                slots = torch.arange(N, device=q.device, dtype=torch.int32)
+            else:
+                slots = ssm_state_indices
+        final_state = None
+        if output_final_state:
+            if ssm_state_indices is None:
+                final_state = final_states = q.new_empty(N, *alloc, dtype=torch.float32)
+            else:
+                final_state = token_states = q.new_empty(q.shape[1], *alloc, dtype=torch.float32)
+    contracts.check_recurrent_forward(q, k, v, g, beta, pool, slots, out_flat, cu_seqlens=cu_seqlens,
+                                      A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+                                      num_accepted_tokens=num_accepted_tokens, token_states=token_states,
+                                      final_states=final_states, state_name="initial_state",
+                                      k_major=not state_v_first)
+    run_recurrent_forward(q, k, v, g, beta, _v_major(pool, state_v_first), slots, out_flat, cu_seqlens=cu_seqlens,
+                          scale=scale, use_qk_l2norm=use_qk_l2norm_in_kernel, A_log=A_log, dt_bias=dt_bias,
+                          lower_bound=lower_bound, beta_mode=beta_mode, num_accepted_tokens=num_accepted_tokens,
+                          token_states=_v_major(token_states, state_v_first), write_final_state=write,
+                          final_states=_v_major(final_states, state_v_first))
+    return out, final_state
+
+
+def fused_recurrent_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    scale: float | None = None,
+    initial_state: torch.Tensor = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    lower_bound: float | None = None,
+    state_v_first: bool = False,
+    cu_seqlens: torch.LongTensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fla's public entry: never updates ``initial_state``; returns ``(o, final_state)``
+    with ``final_state`` a new float32 ``[N, HV, K, V]`` (``[N, HV, V, K]`` with
+    ``state_v_first``) when ``output_final_state``, else ``None``.
+
+    Unlike fla 0.6.0, ``ssm_state_indices``, ``num_accepted_tokens`` and ``out`` given as
+    keywords are honoured (see the module doc); other extra keywords are ignored as fla does.
+    """
+    if 'transpose_state_layout' in kwargs:
+        if state_v_first:
+            raise ValueError("Cannot pass both `state_v_first` and the deprecated `transpose_state_layout`.")
+        warnings.warn(
+            "`transpose_state_layout` is deprecated and renamed to `state_v_first`.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        state_v_first = kwargs.pop('transpose_state_layout')
+    ssm_state_indices = kwargs.get("ssm_state_indices")
+    if cu_seqlens is not None:
+        if q.shape[0] != 1:
+            raise ValueError(f"The batch size is expected to be 1 rather than {q.shape[0]} when using `cu_seqlens`."
+                             f"Please flatten variable-length inputs before processing.")
+        given = ssm_state_indices if ssm_state_indices is not None else initial_state
+        if given is not None and given.shape[0] != len(cu_seqlens) - 1:
+            raise ValueError(f"The number of initial states is expected to be equal to the number of input "
+                             f"sequences, i.e., {len(cu_seqlens) - 1} rather than {given.shape[0]}.")
+    if scale is None:
+        scale = k.shape[-1] ** -0.5
+    if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
+        raise ValueError("`allow_neg_eigval=True` requires `use_beta_sigmoid_in_kernel=True`.")
+    return fused_recurrent_kda_fwd(
+        q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, scale=scale, initial_state=initial_state,
+        inplace_final_state=False, output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+        lower_bound=lower_bound, cu_seqlens=cu_seqlens, state_v_first=state_v_first,
+        ssm_state_indices=ssm_state_indices, num_accepted_tokens=kwargs.get("num_accepted_tokens"),
+        out=kwargs.get("out"),
+    )

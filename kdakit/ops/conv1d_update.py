@@ -1,0 +1,87 @@
+"""Causal short conv of one token per request over a pool of conv windows.
+
+``x [B, C]`` is the pre-conv projection; ``conv_state [slots, C, W-1]`` holds each
+channel's previous ``W-1`` inputs, oldest first, with any strides (a pool stored as
+``[slots, W-1, C]`` and passed as ``.transpose(1, 2)`` works); ``weight [C, W]``
+float32. ``out[i] = SiLU(conv)`` rounded to ``x``'s dtype, and ``conv_state[slot]``
+shifts left and appends ``x[i]`` in place. A slot < 0 is a padding row: zero
+output, no pool access.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import contracts, reference
+from ..backends import register, select
+from .launch import CachedKernel
+from .triton_math import short_conv_update
+
+
+@triton.jit
+def _causal_conv1d_update_kernel(
+    x, conv_state, weight, bias, slot_indices, out,
+    num_channels, stride_x_row, stride_out_row, stride_conv_slot, stride_conv_chan, stride_conv_tap,
+    W: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_TAPS: tl.constexpr, HAS_BIAS: tl.constexpr,
+):
+    # One program per (block of channels, request): each channel's window has exactly
+    # one reader and writer, so the in-place shift needs no cross-program ordering.
+    i_c, i_b = tl.program_id(0), tl.program_id(1)
+    offs_c = i_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask_c = offs_c < num_channels
+    slot = tl.load(slot_indices + i_b).to(tl.int64)
+    live = slot >= 0
+    win_ptrs = conv_state + slot * stride_conv_slot + offs_c.to(tl.int64) * stride_conv_chan
+    y = short_conv_update(x + i_b.to(tl.int64) * stride_x_row + offs_c, win_ptrs, weight + offs_c * W,
+                          bias + offs_c, stride_conv_tap, mask_c, live, W, BLOCK_TAPS, HAS_BIAS)
+    y = tl.where(live, y, 0.0)
+    tl.store(out + i_b.to(tl.int64) * stride_out_row + offs_c, y.to(out.dtype.element_ty), mask=mask_c)
+
+
+_causal_conv1d_update = CachedKernel(_causal_conv1d_update_kernel)
+
+
+def _launch_config(channels: int) -> tuple:
+    """(BLOCK_C, num_warps), pinned (no autotune): 256 channels (4 a thread, 2 warps) per
+    program; a few KB of window per program keeps many programs in flight at B = 1."""
+    block_c = min(256, triton.next_power_of_2(channels))
+    return block_c, 2 if block_c >= 256 else 1
+
+
+@register("causal_conv1d_update", "triton")
+def causal_conv1d_update_triton(x, conv_state, weight, slot_indices, out, *, bias=None, config=None):
+    """``config = (BLOCK_C, num_warps)`` overrides the pinned choice (sweeps, tests)."""
+    B, C = x.shape
+    if B == 0:
+        return out
+    W = weight.shape[1]
+    block_c, num_warps = config or _launch_config(C)
+    _causal_conv1d_update(
+        (triton.cdiv(C, block_c), B, 1),
+        (x, conv_state, weight, bias if bias is not None else weight, slot_indices, out,
+         C, x.stride(0), out.stride(0), conv_state.stride(0), conv_state.stride(1), conv_state.stride(2)),
+        dict(W=W, BLOCK_C=block_c, BLOCK_TAPS=triton.next_power_of_2(W - 1), HAS_BIAS=bias is not None),
+        num_warps=num_warps, num_stages=1)
+    return out
+
+
+@register("causal_conv1d_update", "reference")
+def causal_conv1d_update_reference(x, conv_state, weight, slot_indices, out, *, bias=None):
+    return reference.causal_conv1d_update(x, conv_state, weight, slot_indices, out, bias=bias)
+
+
+def causal_conv1d_update(x, conv_state, weight, slot_indices, *, bias=None, out=None, backend=None,
+                         full_checks=None):
+    """Short conv (SiLU) of one token for ``B`` requests; shifts ``conv_state[slot_indices[i]]`` in place.
+
+    ``x [B, C]`` (float32/bfloat16/float16), ``conv_state [slots, C, W-1]`` (any strides),
+    ``weight [C, W]`` and ``bias [C]`` float32, ``slot_indices [B]`` int32/int64.
+    Returns ``out [B, C]`` in ``x``'s dtype (allocated when not given).
+    """
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    contracts.check_causal_conv1d_update(x, conv_state, weight, slot_indices, out, bias=bias,
+                                         full_checks=full_checks)
+    _, impl = select("causal_conv1d_update", x.device, backend)
+    return impl(x, conv_state, weight, slot_indices, out, bias=bias)

@@ -1,0 +1,169 @@
+"""Fused decode: the whole KDA decode step of one token per request in one kernel.
+
+Short conv (SiLU) of the pre-conv projection ``qkv [B, 2*H*K + HV*V]`` against the
+window pool ``conv_state [slots, 2*H*K + HV*V, W-1]`` (any strides, shifted in
+place), L2 norm of q and k, gate (default, or safe with ``lower_bound``),
+``β = sigmoid(b)``, the delta-rule recurrence on ``state [slots, HV, V, K]`` (in
+place), and an optional gated RMSNorm over V. Post-conv values are rounded to
+``qkv``'s dtype exactly as ``causal_conv1d_update`` stores them, so this kernel and
+the unfused chain ``causal_conv1d_update -> packed_decode -> gated_rmsnorm`` see the
+same numbers. A slot < 0 is a padding row: zero output, no pool access.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import contracts, reference
+from ..backends import register, select
+from .launch import CachedKernel
+from .triton_math import delta_rule_update, gated_rmsnorm_rows, kda_log_decay, l2_normalize, short_conv_update
+
+
+@triton.jit
+def _fused_decode_kernel(
+    qkv, conv_weight, conv_bias, conv_state, a, b, A_log, dt_bias, state, slot_indices, norm_gate, norm_weight, out,
+    stride_qkv_row, stride_conv_slot, stride_conv_chan, stride_conv_tap, stride_a_row, stride_b_row,
+    stride_state_slot, stride_gate_row,
+    scale, lower_bound, norm_eps,
+    H: tl.constexpr, HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, V_TILES: tl.constexpr, BLOCK_TAPS: tl.constexpr,
+    HAS_CONV_BIAS: tl.constexpr, SAFE_GATE: tl.constexpr, HAS_NORM: tl.constexpr,
+):
+    # Why one program per (request, KEY head), looping over the GROUP value heads of that
+    # key head and over all of V: the conv window is shifted in place, and programs run
+    # concurrently with no ordering between them. The q/k conv of key head h is needed by
+    # every value head (and every V tile) of its group; if those were separate programs,
+    # one would have to write the shifted q/k windows while the others may still be reading
+    # the old ones -- a race no choice of "single writer" fixes. With one program owning
+    # the q/k channels of key head h AND the v channels of its value heads, every window
+    # channel has exactly one reader and one writer, the same program, which reads the old
+    # taps before writing the shifted ones (barrier inside short_conv_update). The cost is
+    # less parallelism (B*H programs, not B*HV*V/BLOCK_V) at small batch. The fused norm
+    # needs the whole V row of o in registers, so with HAS_NORM a tile spans all of V.
+    i_h, i_b = tl.program_id(0), tl.program_id(1)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_k = offs_k < K
+    row = qkv + i_b.to(tl.int64) * stride_qkv_row
+    slot = tl.load(slot_indices + i_b).to(tl.int64)
+    live = slot >= 0  # padding rows: masked loads and stores never touch either pool
+    # 64-bit offsets: slot * stride passes 2**31 in real pools.
+    win_row = conv_state + slot * stride_conv_slot
+
+    q_chan = i_h * K + offs_k
+    k_chan = (H + i_h) * K + offs_k
+    q = short_conv_update(row + q_chan, win_row + q_chan.to(tl.int64) * stride_conv_chan, conv_weight + q_chan * W,
+                          conv_bias + q_chan, stride_conv_tap, mask_k, live, W, BLOCK_TAPS, HAS_CONV_BIAS)
+    k = short_conv_update(row + k_chan, win_row + k_chan.to(tl.int64) * stride_conv_chan, conv_weight + k_chan * W,
+                          conv_bias + k_chan, stride_conv_tap, mask_k, live, W, BLOCK_TAPS, HAS_CONV_BIAS)
+    q = l2_normalize(q) * scale
+    k = l2_normalize(k)
+
+    for j in range(GROUP):
+        i_hv = i_h * GROUP + j
+        a_raw = tl.load(a + i_b.to(tl.int64) * stride_a_row + i_hv * K + offs_k, mask=mask_k, other=0.0)
+        bias = tl.load(dt_bias + i_hv * K + offs_k, mask=mask_k, other=0.0)
+        b_raw = tl.load(b + i_b.to(tl.int64) * stride_b_row + i_hv)
+        A_log_h = tl.load(A_log + i_hv)
+        g = kda_log_decay(a_raw.to(tl.float32), bias.to(tl.float32), A_log_h.to(tl.float32), lower_bound, SAFE_GATE)
+        beta = tl.sigmoid(b_raw.to(tl.float32))
+        head_state = state + slot * stride_state_slot + i_hv * V * K
+        for tile in range(V_TILES):
+            offs_v = tile * BLOCK_V + tl.arange(0, BLOCK_V)
+            mask_v = offs_v < V
+            v_chan = 2 * H * K + i_hv * V + offs_v
+            v = short_conv_update(row + v_chan, win_row + v_chan.to(tl.int64) * stride_conv_chan,
+                                  conv_weight + v_chan * W, conv_bias + v_chan, stride_conv_tap, mask_v, live,
+                                  W, BLOCK_TAPS, HAS_CONV_BIAS)
+            s_ptrs = head_state + offs_v[:, None] * K + offs_k[None, :]
+            mask_s = live & (mask_v[:, None] & mask_k[None, :])
+            S = tl.load(s_ptrs, mask=mask_s, other=0.0).to(tl.float32)
+            S = delta_rule_update(S, k, v, g, beta)
+            o = tl.where(live, tl.sum(S * q[None, :], axis=1), 0.0)
+            tl.store(s_ptrs, S.to(state.dtype.element_ty), mask=mask_s)
+            if HAS_NORM:
+                gate = tl.load(norm_gate + i_b.to(tl.int64) * stride_gate_row + i_hv * V + offs_v, mask=mask_v,
+                               other=0.0)
+                w = tl.load(norm_weight + offs_v, mask=mask_v, other=0.0)
+                o = gated_rmsnorm_rows(o, gate.to(tl.float32), w, norm_eps, V)
+            tl.store(out + (i_b * HV + i_hv) * V + offs_v, o.to(out.dtype.element_ty), mask=mask_v)
+
+
+_fused_decode = CachedKernel(_fused_decode_kernel)
+
+
+def _launch_config(V: int, K: int, has_norm: bool) -> tuple:
+    """(BLOCK_V, V_TILES, num_warps), pinned (no autotune; not yet swept on the H200).
+
+    A tile of state rows of ~8K float32 (64 rows at K = 128) with ~64 values a thread;
+    with the fused norm the tile spans all of V (128 x 128 at 8 warps for Kimi).
+    """
+    block_k = triton.next_power_of_2(K)
+    full_v = triton.next_power_of_2(V)
+    block_v = full_v if has_norm else min(full_v, max(1, 8192 // block_k))
+    num_warps = min(16, max(1, block_v * block_k // 2048))
+    return block_v, triton.cdiv(V, block_v), num_warps
+
+
+@register("fused_decode", "triton")
+def fused_decode_triton(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, state, slot_indices, out, *,
+                        conv_bias, scale, lower_bound, norm_gate, norm_weight, norm_eps, config=None):
+    """``config = (BLOCK_V, V_TILES, num_warps)`` overrides the pinned choice (sweeps, tests)."""
+    B = qkv.shape[0]
+    _, HV, V, K = state.shape
+    H = reference.infer_packed_heads(qkv.shape[1], HV, V, K)
+    if B == 0:
+        return out
+    has_norm = norm_weight is not None
+    block_v, v_tiles, num_warps = config or _launch_config(V, K, has_norm)
+    if block_v * v_tiles < V or (has_norm and v_tiles != 1):
+        raise ValueError(f"fused_decode config {config} does not cover V={V} (the norm needs the whole row "
+                         "in one tile).")
+    W = conv_weight.shape[1]
+    _fused_decode(
+        (H, B, 1),
+        (qkv, conv_weight, conv_bias if conv_bias is not None else conv_weight, conv_state, a, b, A_log, dt_bias,
+         state, slot_indices, norm_gate if has_norm else qkv, norm_weight if has_norm else conv_weight, out,
+         qkv.stride(0), conv_state.stride(0), conv_state.stride(1), conv_state.stride(2), a.stride(0), b.stride(0),
+         state.stride(0), norm_gate.stride(0) if has_norm else 0,
+         float(scale), float(lower_bound) if lower_bound is not None else 0.0, float(norm_eps)),
+        dict(H=H, HV=HV, GROUP=HV // H, K=K, V=V, W=W, BLOCK_K=triton.next_power_of_2(K), BLOCK_V=block_v,
+             V_TILES=v_tiles, BLOCK_TAPS=triton.next_power_of_2(W - 1), HAS_CONV_BIAS=conv_bias is not None,
+             SAFE_GATE=lower_bound is not None, HAS_NORM=has_norm),
+        num_warps=num_warps, num_stages=1)
+    return out
+
+
+@register("fused_decode", "reference")
+def fused_decode_reference(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, state, slot_indices, out, *,
+                           conv_bias, scale, lower_bound, norm_gate, norm_weight, norm_eps):
+    return reference.fused_decode(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, state, slot_indices, out,
+                                  conv_bias=conv_bias, scale=scale, lower_bound=lower_bound, norm_gate=norm_gate,
+                                  norm_weight=norm_weight, norm_eps=norm_eps)
+
+
+def fused_decode(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, state, slot_indices, *, conv_bias=None,
+                 scale=None, lower_bound=None, norm_gate=None, norm_weight=None, norm_eps=1e-6, out=None,
+                 backend=None, full_checks=None):
+    """One decode token for ``B`` requests: conv + L2 norm + gate + recurrence (+ gated RMSNorm).
+
+    ``qkv [B, 2*H*K + HV*V]`` pre-conv projection; ``conv_weight [C, W]`` (and
+    ``conv_bias [C]``) float32; ``conv_state [slots, C, W-1]`` (any strides) and
+    ``state [slots, HV, V, K]`` updated in place at ``slot_indices [B]``; raw gate
+    ``a [B, HV*K]``, raw beta ``b [B, HV]``, ``A_log [HV]``, ``dt_bias [HV*K]``.
+    ``norm_gate [B, HV*V]`` with ``norm_weight [V]`` float32 turn on the output norm.
+    ``scale`` defaults to ``K ** -0.5``; ``lower_bound`` selects the safe gate.
+    Returns ``out [B, 1, HV, V]`` (allocated in ``qkv``'s dtype when not given).
+    """
+    if out is None:
+        out = (qkv.new_empty(qkv.shape[0], 1, state.shape[1], state.shape[2])
+               if qkv.dim() == 2 and state.dim() == 4 else qkv.new_empty(0))
+    contracts.check_fused_decode(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, state, slot_indices, out,
+                                 conv_bias=conv_bias, lower_bound=lower_bound, norm_gate=norm_gate,
+                                 norm_weight=norm_weight, norm_eps=norm_eps, full_checks=full_checks)
+    scale = state.shape[-1] ** -0.5 if scale is None else scale
+    _, impl = select("fused_decode", qkv.device, backend)
+    return impl(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, state, slot_indices, out, conv_bias=conv_bias,
+                scale=scale, lower_bound=lower_bound, norm_gate=norm_gate, norm_weight=norm_weight,
+                norm_eps=norm_eps)

@@ -1,0 +1,236 @@
+"""Varlen recurrent forward: several tokens per sequence over a pool of recurrent states.
+
+Inputs are one flattened batch: ``q, k [1, T, H, K]``, ``v [1, T, HV, V]``,
+``g [1, T, HV, K]`` (log-decay, or the raw gate when ``A_log`` is given),
+``beta [1, T, HV]`` (β, or its logit), split into ``N`` sequences by ``cu_seqlens``.
+
+Slots (``state [slots, HV, V, K]``, V-major; a slot < 0 reads as a zero state and
+is never written):
+- 1-D ``slot_indices [N]``: sequence ``n`` starts from ``state[slot_indices[n]]`` and
+  its final state goes back there (``write_final_state``).
+- 2-D ``slot_indices [N, T_max]`` (fla's speculative serving path): sequence ``n``
+  starts from ``state[slot_indices[n, num_accepted_tokens[n] - 1]]`` (``[n, 0]``
+  without ``num_accepted_tokens``) and the state after its token ``i`` goes to
+  ``state[slot_indices[n, i]]``.
+
+The Triton kernel runs one program per (sequence, value head, V tile) and keeps the
+state tile in registers across the sequence's tokens; the state is addressed through
+four strides, so the same kernel serves fla's K-major pools (``kdakit.compat.fla``)
+by a transposed view, with no copy.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import contracts, reference
+from ..backends import register, select
+from .launch import CachedKernel
+from .triton_math import delta_rule_update, kda_log_decay, l2_normalize
+
+# How beta becomes β: as given, sigmoid of a logit, or 2·sigmoid (fla's allow_neg_eigval).
+BETA_AS_IS, BETA_SIGMOID, BETA_SIGMOID_X2 = 0, 1, 2
+
+
+@triton.jit
+def _recurrent_forward_kernel(
+    q, k, v, g, beta, A_log, dt_bias, out, state, slot_indices, num_accepted, cu_seqlens, token_states, final_states,
+    T,
+    stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_g_t, stride_g_h,
+    stride_b_t, stride_b_h, stride_o_t, stride_o_h,
+    stride_s_slot, stride_s_h, stride_s_v, stride_s_k,
+    stride_ts_t, stride_ts_h, stride_ts_v, stride_ts_k,
+    stride_fs_n, stride_fs_h, stride_fs_v, stride_fs_k,
+    stride_idx_n, stride_idx_t,
+    scale, lower_bound,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    IS_VARLEN: tl.constexpr, PER_TOKEN_SLOTS: tl.constexpr, HAS_NUM_ACCEPTED: tl.constexpr,
+    WRITE_STATE: tl.constexpr, HAS_TOKEN_STATES: tl.constexpr, HAS_FINAL_STATES: tl.constexpr,
+    USE_QK_L2NORM: tl.constexpr, GATE_IN_KERNEL: tl.constexpr, SAFE_GATE: tl.constexpr, BETA_MODE: tl.constexpr,
+):
+    i_n, i_hv, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_h = i_hv // (HV // H)
+    n64 = i_n.to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_v = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask_k = offs_k < K
+    mask_v = offs_v < V
+    mask_s = mask_v[:, None] & mask_k[None, :]
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    else:
+        bos = n64 * 0
+        eos = bos + T
+
+    # The slot this sequence starts from (64-bit: slot * stride passes 2**31).
+    if PER_TOKEN_SLOTS:
+        if HAS_NUM_ACCEPTED:
+            i0 = tl.load(num_accepted + i_n).to(tl.int64) - 1
+        else:
+            i0 = n64 * 0
+        slot = tl.load(slot_indices + n64 * stride_idx_n + i0 * stride_idx_t).to(tl.int64)
+    else:
+        slot = tl.load(slot_indices + i_n).to(tl.int64)
+    tile = i_hv * stride_s_h + offs_v[:, None] * stride_s_v + offs_k[None, :] * stride_s_k
+    S = tl.load(state + slot * stride_s_slot + tile, mask=(slot >= 0) & mask_s, other=0.0).to(tl.float32)
+
+    if GATE_IN_KERNEL:
+        A_log_h = tl.load(A_log + i_hv).to(tl.float32)
+        bias = tl.load(dt_bias + i_hv * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+
+    t = bos
+    while t < eos:
+        q_t = tl.load(q + t * stride_q_t + i_h * stride_q_h + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        k_t = tl.load(k + t * stride_k_t + i_h * stride_k_h + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        g_t = tl.load(g + t * stride_g_t + i_hv * stride_g_h + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        b_t = tl.load(beta + t * stride_b_t + i_hv * stride_b_h).to(tl.float32)
+        v_t = tl.load(v + t * stride_v_t + i_hv * stride_v_h + offs_v, mask=mask_v, other=0.0).to(tl.float32)
+        if USE_QK_L2NORM:
+            q_t = l2_normalize(q_t)
+            k_t = l2_normalize(k_t)
+        q_t = q_t * scale
+        if GATE_IN_KERNEL:
+            g_t = kda_log_decay(g_t, bias, A_log_h, lower_bound, SAFE_GATE)
+        if BETA_MODE == 1:
+            b_t = tl.sigmoid(b_t)
+        if BETA_MODE == 2:
+            b_t = tl.sigmoid(b_t) * 2.0
+        S = delta_rule_update(S, k_t, v_t, g_t, b_t)
+        o = tl.sum(S * q_t[None, :], axis=1)
+        tl.store(out + t * stride_o_t + i_hv * stride_o_h + offs_v, o.to(out.dtype.element_ty), mask=mask_v)
+        if HAS_TOKEN_STATES:
+            p_ts = token_states + t * stride_ts_t + i_hv * stride_ts_h
+            tl.store(p_ts + offs_v[:, None] * stride_ts_v + offs_k[None, :] * stride_ts_k,
+                     S.to(token_states.dtype.element_ty), mask=mask_s)
+        if PER_TOKEN_SLOTS:
+            if WRITE_STATE:
+                slot_t = tl.load(slot_indices + n64 * stride_idx_n + (t - bos) * stride_idx_t).to(tl.int64)
+                tl.store(state + slot_t * stride_s_slot + tile, S.to(state.dtype.element_ty),
+                         mask=(slot_t >= 0) & mask_s)
+        t += 1
+
+    if not PER_TOKEN_SLOTS:
+        if WRITE_STATE:
+            tl.store(state + slot * stride_s_slot + tile, S.to(state.dtype.element_ty), mask=(slot >= 0) & mask_s)
+    if HAS_FINAL_STATES:
+        p_fs = final_states + n64 * stride_fs_n + i_hv * stride_fs_h
+        tl.store(p_fs + offs_v[:, None] * stride_fs_v + offs_k[None, :] * stride_fs_k,
+                 S.to(final_states.dtype.element_ty), mask=mask_s)
+
+
+_recurrent_forward = CachedKernel(_recurrent_forward_kernel)
+
+
+def _launch_config(N: int, HV: int, V: int, K: int) -> tuple:
+    """(BLOCK_V, num_warps), chosen ahead of time (no autotuning in a serving call).
+
+    The state tile lives in registers for the whole sequence: 16 rows of K=128 float32
+    (8 KB) over 2 warps is 32 registers a thread; a small grid splits V finer so that
+    enough programs run. Not yet pinned by an H200 sweep (bench_recurrent_forward.py
+    --sweep measures the alternatives).
+    """
+    block_k = triton.next_power_of_2(K)
+    rows = max(1, min(triton.next_power_of_2(V), 8192 // (block_k * 4)))
+    if N * HV <= 256:
+        return max(1, rows // 2), 1
+    return rows, 2 if rows * block_k >= 2048 else 1
+
+
+def _strides4(t):
+    return tuple(t.stride()) if t is not None else (0, 0, 0, 0)
+
+
+@register("recurrent_forward", "triton")
+def recurrent_forward_triton(q, k, v, g, beta, state, slot_indices, out, *, cu_seqlens, scale, use_qk_l2norm,
+                             A_log, dt_bias, lower_bound, beta_mode, num_accepted_tokens, token_states,
+                             write_final_state, final_states, config=None):
+    """``state``, ``token_states``, ``final_states`` are V-major views of any strides
+    (``[.., HV, V, K]``); ``config = (BLOCK_V, num_warps)`` overrides the pinned choice."""
+    _, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    N = cu_seqlens.numel() - 1 if cu_seqlens is not None else 1
+    if N == 0 or HV == 0:
+        return out
+    block_v, num_warps = config or _launch_config(N, HV, V, K)
+    per_token = slot_indices.dim() == 2
+    dummy = slot_indices  # never read: its constexpr flag is off
+    grid = (N, HV, triton.cdiv(V, block_v))
+    _recurrent_forward(
+        grid,
+        (q, k, v, g, beta, A_log if A_log is not None else q, dt_bias if dt_bias is not None else q, out, state,
+         slot_indices, num_accepted_tokens if num_accepted_tokens is not None else dummy,
+         cu_seqlens if cu_seqlens is not None else dummy,
+         token_states if token_states is not None else state, final_states if final_states is not None else state,
+         T,
+         q.stride(1), q.stride(2), k.stride(1), k.stride(2), v.stride(1), v.stride(2), g.stride(1), g.stride(2),
+         beta.stride(1), beta.stride(2), out.stride(1), out.stride(2),
+         *state.stride(), *_strides4(token_states), *_strides4(final_states),
+         slot_indices.stride(0), slot_indices.stride(1) if per_token else 0,
+         float(scale), float(lower_bound) if lower_bound is not None else 0.0),
+        dict(H=H, HV=HV, K=K, V=V, BLOCK_K=triton.next_power_of_2(K), BLOCK_V=block_v,
+             IS_VARLEN=cu_seqlens is not None, PER_TOKEN_SLOTS=per_token,
+             HAS_NUM_ACCEPTED=num_accepted_tokens is not None, WRITE_STATE=bool(write_final_state),
+             HAS_TOKEN_STATES=token_states is not None, HAS_FINAL_STATES=final_states is not None,
+             USE_QK_L2NORM=bool(use_qk_l2norm), GATE_IN_KERNEL=A_log is not None,
+             SAFE_GATE=lower_bound is not None, BETA_MODE=int(beta_mode)),
+        num_warps=num_warps, num_stages=1)
+    return out
+
+
+@register("recurrent_forward", "reference")
+def recurrent_forward_reference(q, k, v, g, beta, state, slot_indices, out, *, cu_seqlens, scale, use_qk_l2norm,
+                                A_log, dt_bias, lower_bound, beta_mode, num_accepted_tokens, token_states,
+                                write_final_state, final_states):
+    if beta_mode == BETA_SIGMOID_X2:
+        beta = 2.0 * torch.sigmoid(beta.float())
+    return reference.recurrent_forward(
+        q, k, v, g, beta, state, slot_indices, out, cu_seqlens=cu_seqlens, scale=scale, use_qk_l2norm=use_qk_l2norm,
+        A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, beta_is_logit=beta_mode == BETA_SIGMOID,
+        num_accepted_tokens=num_accepted_tokens, token_states=token_states, write_final_state=write_final_state,
+        final_states=final_states)
+
+
+def run_recurrent_forward(q, k, v, g, beta, state, slot_indices, out, *, cu_seqlens=None, scale=None,
+                          use_qk_l2norm=True, A_log=None, dt_bias=None, lower_bound=None, beta_mode=BETA_AS_IS,
+                          num_accepted_tokens=None, token_states=None, write_final_state=True, final_states=None,
+                          backend=None):
+    """Dispatch after validation (callers check first). ``state``, ``token_states`` and
+    ``final_states`` are V-major ``[.., HV, V, K]`` views of any strides; ``final_states
+    [N, HV, V, K]`` receives each sequence's final state (fla's non-in-place output)."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if A_log is not None:
+        dt_bias = dt_bias.reshape(-1)
+    _, impl = select("recurrent_forward", q.device, backend)
+    return impl(q, k, v, g, beta, state, slot_indices, out, cu_seqlens=cu_seqlens, scale=scale,
+                use_qk_l2norm=use_qk_l2norm, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+                beta_mode=beta_mode, num_accepted_tokens=num_accepted_tokens, token_states=token_states,
+                write_final_state=write_final_state, final_states=final_states)
+
+
+def recurrent_forward(q, k, v, g, beta, state, slot_indices, *, cu_seqlens=None, scale=None, use_qk_l2norm=True,
+                      A_log=None, dt_bias=None, lower_bound=None, beta_is_logit=False, num_accepted_tokens=None,
+                      token_states=None, write_final_state=True, out=None, full_checks=None, backend=None):
+    """Varlen multi-token KDA forward over ``state [slots, HV, V, K]`` (see the module doc).
+
+    ``q, k [1, T, H, K]``, ``v [1, T, HV, V]``, ``g [1, T, HV, K]``, ``beta [1, T, HV]``;
+    ``cu_seqlens [N+1]`` (None: one sequence of ``T`` tokens). ``g`` is the log-decay,
+    or the raw gate when ``A_log [HV]`` (with ``dt_bias [HV*K]``, optional ``lower_bound``
+    for the safe gate) is given; ``beta`` is β, or its logit when ``beta_is_logit``.
+    ``token_states [T, HV, V, K]`` receives the state after every token. Returns ``out
+    [1, T, HV, V]`` (allocated zeroed in ``v``'s dtype when not given; rows of tokens
+    outside ``cu_seqlens`` are not written). ``scale`` defaults to ``K ** -0.5``.
+    """
+    if out is None:
+        out = torch.zeros_like(v) if v.dim() == 4 else v.new_zeros(0)
+    contracts.check_recurrent_forward(q, k, v, g, beta, state, slot_indices, out, cu_seqlens=cu_seqlens,
+                                      A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+                                      num_accepted_tokens=num_accepted_tokens, token_states=token_states,
+                                      full_checks=full_checks)
+    return run_recurrent_forward(q, k, v, g, beta, state, slot_indices, out, cu_seqlens=cu_seqlens, scale=scale,
+                                 use_qk_l2norm=use_qk_l2norm, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+                                 beta_mode=BETA_SIGMOID if beta_is_logit else BETA_AS_IS,
+                                 num_accepted_tokens=num_accepted_tokens, token_states=token_states,
+                                 write_final_state=write_final_state, backend=backend)
