@@ -51,7 +51,9 @@ def select(op: str, device: torch.device, backend: str | None = None) -> tuple[s
     impls = _IMPLS.get(op, {})
     name = backend or forced_backend()
     if name is not None and name in impls:
-        if name in ("triton", "helion") and not triton_runs_on(device):
+        runs_here = triton_runs_on(device) if name == "triton" else (
+            device.type == "cuda" or env_flag("HELION_INTERPRET") == "1")
+        if name in ("triton", "helion") and not runs_here:
             raise ValueError(f"the {name} backend needs CUDA tensors, or CPU tensors with "
                              f"{'TRITON' if name == 'triton' else 'HELION'}_INTERPRET=1 (got {device.type} tensors).")
         return name, impls[name]

@@ -579,15 +579,18 @@ def test_env_unknown_backend(monkeypatch):
     expect_error(call_native, t, ["KDAKIT_BACKEND", "cutlass"], exact=False)
 
 
-def test_helion_not_registered(monkeypatch):
+def test_helion_registered_but_needs_cuda_or_helion_interpret(monkeypatch):
+    """The helion backend (issue 6) is registered; plain CPU tensors are refused, and
+    TRITON_INTERPRET=1 does not enable it (HELION_INTERPRET=1 does)."""
     monkeypatch.delenv("KDAKIT_BACKEND", raising=False)
-    assert "helion" not in backends.available("packed_decode")
-    with pytest.raises(ValueError, match=r"^`packed_decode` has no helion implementation"):
+    monkeypatch.delenv("HELION_INTERPRET", raising=False)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert "helion" in backends.available("packed_decode")
+    assert backends.select("packed_decode", CUDA, "helion")[0] == "helion"
+    with pytest.raises(ValueError, match=r"needs CUDA tensors, or CPU tensors with HELION_INTERPRET=1"):
         backends.select("packed_decode", CPU, "helion")
-    with pytest.raises(ValueError, match=r"^`packed_decode` has no helion implementation"):
-        backends.select("packed_decode", CUDA, "helion")
     t = make_inputs()
-    expect_error(call_native, t, ["has no helion implementation"], exact=False, backend="helion")
+    expect_error(call_native, t, ["needs CUDA tensors", "HELION_INTERPRET=1"], exact=False, backend="helion")
 
 
 def test_unknown_backend_argument(monkeypatch):

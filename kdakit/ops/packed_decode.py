@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from .. import contracts, reference
-from ..backends import register, select
+from ..backends import forced_backend, register, select
 from .launch import CachedKernel
 from .triton_math import delta_rule_update, kda_log_decay, l2_normalize
 
@@ -124,9 +124,13 @@ def packed_decode(mixed_qkv, a, b, A_log, dt_bias, state, slot_indices, out=None
     if out is None:
         out = (mixed_qkv.new_empty(mixed_qkv.shape[0], 1, state.shape[1], state.shape[2])
                if mixed_qkv.dim() == 2 and state.dim() == 4 else mixed_qkv.new_empty(0))
-    contracts.check_packed_decode(mixed_qkv, a, b, A_log, dt_bias, state, out, slot_indices,
-                                  lower_bound=lower_bound, full_checks=full_checks)
+    contracts.check_packed_decode(mixed_qkv, a, b, A_log, dt_bias, state, out, slot_indices, lower_bound=lower_bound,
+                                  helion=(backend or forced_backend()) == "helion", full_checks=full_checks)
     scale = state.shape[-1] ** -0.5 if scale is None else scale
     _, impl = select("packed_decode", mixed_qkv.device, backend)
     return impl(mixed_qkv, a, b, A_log, dt_bias, state, slot_indices, out,
                 scale=scale, use_qk_l2norm=use_qk_l2norm, lower_bound=lower_bound)
+
+
+# Registers the helion backend; helion itself is imported only when that backend runs.
+from . import packed_decode_helion  # noqa: E402,F401
