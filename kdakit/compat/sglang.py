@@ -6,6 +6,7 @@ import torch
 from ..ops.commit import commit_ring
 from ..ops.mtp_verify import mtp_verify
 from ..ops.packed_decode import packed_decode
+from ..ops.packed_decode_helion import helion_fused_recurrent_kda_packed_decode  # noqa: F401  (re-exported)
 
 
 def fused_recurrent_kda_packed_decode(mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, out,
