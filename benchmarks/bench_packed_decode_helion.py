@@ -17,6 +17,14 @@ import sys
 
 import torch
 
+# helion 1.5.1 imports a name that torch 2.11's inductor lacks (the GPU machine's torch);
+# the class only tags Intel GPU errors, so a stand-in lets helion import there.
+import torch._inductor.runtime.triton_compat as _triton_compat  # noqa: E402
+if not hasattr(_triton_compat, "IntelGPUError"):
+    class IntelGPUError(Exception):
+        pass
+    _triton_compat.IntelGPUError = IntelGPUError
+
 sys.path.insert(0, os.path.dirname(__file__))
 import bench_packed_decode as base  # noqa: E402
 import harness  # noqa: E402

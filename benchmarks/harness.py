@@ -1,129 +1,16 @@
-"""Benchmark harness shared by every kdakit benchmark (GPU only).
-
-How it measures (ANCHORS.md): each timed call is replayed from a CUDA graph that
-runs it on ``L`` independent layers (own pool, own inputs), so the state streams
-from HBM rather than the 60 MB L2; the reported time is the median graph replay
-divided by ``L``. Bandwidth is reported against the device-to-device copy
-ceiling measured in the same run.
-"""
+"""The benchmark harness now lives in the package (`kdakit.bench.harness`, used by
+`kdakit bench`); the scripts here keep importing it as `harness`. Results of these
+scripts still default to benchmarks/results/ (or $OUT on a device run)."""
 from __future__ import annotations
 
-import datetime
-import json
-import math
 import os
-import platform
-import statistics
-import subprocess
-import sys
-import time
 
-import torch
-
-L2_FLUSH_BYTES = 1 << 30  # working set per timed graph: far above the 60 MB L2
+from kdakit.bench import harness as _harness
+from kdakit.bench.harness import *  # noqa: F401,F403
+from kdakit.bench.harness import _git_rev  # noqa: F401
 
 
-def copy_ceiling_gbps(num_bytes: int = 2 << 30, reps: int = 30) -> float:
-    """Device-to-device copy (bytes read + written) in GB/s, median of ``reps``."""
-    src = torch.randn(num_bytes // 4, device="cuda")
-    dst = torch.empty_like(src)
-    times = []
-    for _ in range(3):
-        dst.copy_(src)
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e-3)
-    del src, dst
-    torch.cuda.empty_cache()
-    return 2 * num_bytes / statistics.median(times) / 1e9
-
-
-def layers_for(bytes_per_layer: int, max_layers: int = 512) -> int:
-    """How many independent layers make the graph's working set exceed the L2 many times."""
-    return int(min(max_layers, max(2, math.ceil(L2_FLUSH_BYTES / max(bytes_per_layer, 1)))))
-
-
-def graph_time_us(calls, replays: int = 20, warmup: int = 3) -> float:
-    """Median µs per call of ``calls`` (one callable per layer), replayed as one CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(warmup):
-            for call in calls:
-                call()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    for _ in range(5):  # first replays pay TLB and clock warm-up
-        graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    del graph
-    return statistics.median(times) / len(calls)
-
-
-def eager_host_us(call, iters: int = 300) -> float:
-    """Wall µs per eager call (host overhead dominates at small sizes), after a warm-up."""
-    for _ in range(20):
-        call()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        call()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / iters * 1e6
-
-
-def row(name: str, time_us: float, num_bytes: float, ceiling_gbps: float, **extra) -> dict:
-    gbps = num_bytes / (time_us * 1e-6) / 1e9
-    return {"name": name, "us": round(time_us, 2), "GB/s": round(gbps, 1),
-            "pct_of_copy": round(100 * gbps / ceiling_gbps, 1), **extra}
-
-
-def environment() -> dict:
-    props = torch.cuda.get_device_properties(0)
-    import triton
-    return {"gpu": props.name, "sm_count": props.multi_processor_count,
-            "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
-            "git": _git_rev()}
-
-
-def _git_rev() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              timeout=5).stdout.strip()
-    except Exception:
-        return "unknown"
-
-
-def save(result: dict, name: str) -> str:
+def save(result: dict, name: str, folder: str | None = None) -> str:
     """JSON into $OUT (device runs) or benchmarks/results/."""
-    folder = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
-    os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, f"{name}.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
-    return path
-
-
-def print_table(rows: list[dict], columns: list[str]) -> None:
-    widths = [max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in columns]
-    print("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
-    for r in rows:
-        print("  ".join(str(r.get(c, "")).ljust(w) for c, w in zip(columns, widths)))
+    return _harness.save(result, name, folder or os.environ.get("OUT")
+                         or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))

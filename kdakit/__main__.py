@@ -1,4 +1,10 @@
-"""The kdakit command line: `kdakit check` (and `python -m kdakit check`)."""
+"""The kdakit command line (also `python -m kdakit`).
+
+- `kdakit demo` (the main job; also what `kdakit` alone runs): a tiny KDA model decoded
+  plainly and speculatively, with identical tokens.
+- `kdakit check`: every backend available here against the float64 reference.
+- `kdakit bench`: the GPU benchmark sweep (table, JSON, plot).
+"""
 from __future__ import annotations
 
 import argparse
@@ -17,15 +23,28 @@ def _interpret_triton_on_cpu(device) -> None:
 
 
 def main(argv=None) -> int:
+    from . import demo
     parser = argparse.ArgumentParser(prog="kdakit", description="Kimi Delta Attention serving kernels")
     sub = parser.add_subparsers(dest="command")
+    demo.add_arguments(sub.add_parser(
+        "demo", help="(default) a tiny KDA model: plain vs speculative decoding, identical tokens"))
     check = sub.add_parser("check", help="every backend available here against the float64 reference")
     check.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    bench = sub.add_parser("bench", help="GPU benchmark sweep: table, JSON and a GB/s plot")
+    from . import bench as bench_mod
+    bench_mod.add_arguments(bench)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in ("demo", "check", "bench", "-h", "--help"):
+        argv = ["demo", *argv]  # `kdakit [demo options]` runs the demo
     args = parser.parse_args(argv)
-    if args.command in (None, "check"):
-        _interpret_triton_on_cpu(getattr(args, "device", None))
+    if args.command == "demo":
+        return demo.main(args)
+    if args.command == "check":
+        _interpret_triton_on_cpu(args.device)
         from . import check as check_mod
-        return check_mod.main(getattr(args, "device", None))
+        return check_mod.main(args.device)
+    if args.command == "bench":
+        return bench_mod.main(args)
     parser.print_help()
     return 2
 

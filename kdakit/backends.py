@@ -43,7 +43,8 @@ def forced_backend() -> str | None:
 
 
 def triton_runs_on(device: torch.device) -> bool:
-    return device.type == "cuda" or env_flag("TRITON_INTERPRET") == "1"
+    """CUDA tensors; CPU tensors under the interpreter, or in compile-only mode (launch.py)."""
+    return device.type == "cuda" or env_flag("TRITON_INTERPRET") == "1" or bool(env_flag("KDAKIT_COMPILE_ONLY"))
 
 
 def select(op: str, device: torch.device, backend: str | None = None) -> tuple[str, Callable]:

@@ -30,9 +30,20 @@ def env_flag(name: str) -> str:
 
 
 def full_checks_enabled(full_checks: bool | None = None) -> bool:
+    """Whether the data checks run. Under ``torch.compile`` tracing the tensors are fake
+    (no values to read): an explicit ``full_checks=True`` raises, while the
+    ``KDAKIT_CHECKS=full`` default is skipped (shape checks still run at trace time)."""
     if full_checks is not None:
-        return full_checks
-    return env_flag("KDAKIT_CHECKS").lower() == "full"
+        enabled = bool(full_checks)
+    else:
+        enabled = env_flag("KDAKIT_CHECKS").lower() == "full"
+    if enabled and torch.compiler.is_compiling():
+        if full_checks:
+            raise ValueError("full_checks=True reads tensor values and cannot run under torch.compile tracing; "
+                             "run the op eagerly for full checks, or leave full_checks unset (the "
+                             "KDAKIT_CHECKS=full default is skipped while compiling).")
+        return False
+    return enabled
 
 
 def _shape(t: torch.Tensor) -> tuple:

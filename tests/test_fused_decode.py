@@ -203,13 +203,22 @@ def test_triton_multi_tile_configs(config):
     assert torch.equal(t["conv_state"][live], ref_conv[live].float())
 
 
-def test_triton_config_must_cover_the_norm_row():
+def test_triton_norm_gathers_the_row_from_several_tiles():
+    t, kw = make_case(1, 2, 16, 16, norm=True, seed=15)
+    ref_out, ref_state, _ = ref_run(t, kw, scale=0.25)
+    out = torch.full((4, 1, 2, 16), POISON)
+    fused_decode_triton(*(t[n] for n in ARGS), out, scale=0.25, lower_bound=None, norm_eps=1e-6,
+                        config=(4, 4, 1), **kw)
+    assert_close(out, ref_out, 1e-5)
+
+
+def test_triton_config_must_cover_v():
     t, kw = make_case(1, 2, 16, 16, norm=True, seed=15)
     out = torch.full((4, 1, 2, 16), POISON)
     snap = {n: bits(t[n]).clone() for n in ("state", "conv_state")}
-    with pytest.raises(ValueError, match="whole row"):
+    with pytest.raises(ValueError, match="does not cover"):
         fused_decode_triton(*(t[n] for n in ARGS), out, scale=0.25, lower_bound=None, norm_eps=1e-6,
-                            config=(8, 2, 1), **kw)
+                            config=(4, 2, 1), **kw)
     assert all(torch.equal(bits(t[n]), s) for n, s in snap.items())
 
 

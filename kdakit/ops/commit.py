@@ -59,12 +59,12 @@ def _commit_ring_kernel(
     rb = ring_beta + layer * s_rb_layer + slot * s_rb_slot + i_hv * ring_len
     chunk = 0
     while chunk < num_steps:  # a loaded bound: `while` runs in the interpreter and compiled alike
-        steps = chunk + tl.arange(0, BLOCK_L)
-        in_range = steps < num_steps
-        k_all = tl.load(rk + steps[:, None] * K, mask=in_range[:, None] & mask_k[None, :], other=0.0)
-        v_all = tl.load(rv + steps[:, None] * V, mask=in_range[:, None] & mask_v[None, :], other=0.0)
-        g_all = tl.load(rg + steps[:, None] * K, mask=in_range[:, None] & mask_k[None, :], other=0.0)
-        beta_all = tl.load(rb + steps, mask=in_range, other=0.0).to(tl.float32)
+        chunk_steps = chunk + tl.arange(0, BLOCK_L)
+        in_range = chunk_steps < num_steps
+        k_all = tl.load(rk + chunk_steps[:, None] * K, mask=in_range[:, None] & mask_k[None, :], other=0.0)
+        v_all = tl.load(rv + chunk_steps[:, None] * V, mask=in_range[:, None] & mask_v[None, :], other=0.0)
+        g_all = tl.load(rg + chunk_steps[:, None] * K, mask=in_range[:, None] & mask_k[None, :], other=0.0)
+        beta_all = tl.load(rb + chunk_steps, mask=in_range, other=0.0).to(tl.float32)
         k_all = k_all.to(tl.float32)
         v_all = v_all.to(tl.float32)
         g_all = g_all.to(tl.float32)
@@ -206,6 +206,10 @@ def commit_ring(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, accept_l
     """
     check_commit_ring(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, accept_lens, track_slots,
                       track_steps, full_checks)
+    if torch.compiler.is_compiling() or type(state) is not torch.Tensor:  # traced: kdakit/custom_ops.py
+        torch.ops.kdakit.commit_ring(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, accept_lens,
+                                     track_slots, track_steps, bool(use_qk_l2norm), int(null_block_id), backend)
+        return
     _, impl = select("commit_ring", state.device, backend)
     impl(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, accept_lens, track_slots=track_slots,
          track_steps=track_steps, use_qk_l2norm=use_qk_l2norm, null_block_id=null_block_id)
@@ -280,6 +284,10 @@ def commit_snapshots(state, snapshots, slot_indices, scratch_indices, accepted_s
         L = (snapshots if snapshots is not None else intermediate_conv[0]).shape[1]
         if steps.numel() and int(steps.max()) >= L:
             _fail(f"`accepted_steps` holds {int(steps.max())}, past the {L} steps a scratch row holds.")
+    if torch.compiler.is_compiling() or type(state) is not torch.Tensor:  # traced: kdakit/custom_ops.py
+        torch.ops.kdakit.commit_snapshots(state, snapshots, slot_indices, scratch_indices, accepted_steps,
+                                          list(conv_states or ()), list(intermediate_conv or ()), backend)
+        return
     _, impl = select("commit_snapshots", state.device, backend)
     impl(state, snapshots, slot_indices, scratch_indices, accepted_steps, conv_states=conv_states,
          intermediate_conv=intermediate_conv)

@@ -83,5 +83,8 @@ def causal_conv1d_update(x, conv_state, weight, slot_indices, *, bias=None, out=
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     contracts.check_causal_conv1d_update(x, conv_state, weight, slot_indices, out, bias=bias,
                                          full_checks=full_checks)
+    if torch.compiler.is_compiling() or type(x) is not torch.Tensor:  # traced: kdakit/custom_ops.py
+        torch.ops.kdakit.causal_conv1d_update(x, conv_state, weight, slot_indices, out, bias, backend)
+        return out
     _, impl = select("causal_conv1d_update", x.device, backend)
     return impl(x, conv_state, weight, slot_indices, out, bias=bias)

@@ -28,8 +28,9 @@ def _fused_decode_kernel(
     stride_state_slot, stride_gate_row,
     scale, lower_bound, norm_eps,
     H: tl.constexpr, HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, V_TILES: tl.constexpr, BLOCK_TAPS: tl.constexpr,
-    HAS_CONV_BIAS: tl.constexpr, SAFE_GATE: tl.constexpr, HAS_NORM: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, V_TILES: tl.constexpr, BLOCK_V_ROW: tl.constexpr,
+    BLOCK_TAPS: tl.constexpr,
+    HAS_CONV_BIAS: tl.constexpr, SAFE_GATE: tl.constexpr, HAS_NORM: tl.constexpr, PREFETCH_STATE: tl.constexpr,
 ):
     # Why one program per (request, KEY head), looping over the GROUP value heads of that
     # key head and over all of V: the conv window is shifted in place, and programs run
@@ -50,6 +51,12 @@ def _fused_decode_kernel(
     live = slot >= 0  # padding rows: masked loads and stores never touch either pool
     # 64-bit offsets: slot * stride passes 2**31 in real pools.
     win_row = conv_state + slot * stride_conv_slot
+    if PREFETCH_STATE:
+        # One value head and one tile (Kimi: H == HV, the whole of V): issue the state load
+        # before the conv, so its HBM latency overlaps the conv's loads and barriers.
+        offs_v0 = tl.arange(0, BLOCK_V)
+        s_ptrs0 = state + slot * stride_state_slot + i_h * V * K + offs_v0[:, None] * K + offs_k[None, :]
+        S0 = tl.load(s_ptrs0, mask=live & ((offs_v0 < V)[:, None] & mask_k[None, :]), other=0.0)
 
     q_chan = i_h * K + offs_k
     k_chan = (H + i_h) * K + offs_k
@@ -69,6 +76,11 @@ def _fused_decode_kernel(
         g = kda_log_decay(a_raw.to(tl.float32), bias.to(tl.float32), A_log_h.to(tl.float32), lower_bound, SAFE_GATE)
         beta = tl.sigmoid(b_raw.to(tl.float32))
         head_state = state + slot * stride_state_slot + i_hv * V * K
+        if HAS_NORM:
+            # The norm needs all of o's row: each tile's o is placed into a full-row vector
+            # (exactly: the other lanes add zeros), so V still streams in small tiles.
+            offs_row = tl.arange(0, BLOCK_V_ROW)
+            o_row = tl.zeros([BLOCK_V_ROW], dtype=tl.float32)
         for tile in range(V_TILES):
             offs_v = tile * BLOCK_V + tl.arange(0, BLOCK_V)
             mask_v = offs_v < V
@@ -78,48 +90,57 @@ def _fused_decode_kernel(
                                   W, BLOCK_TAPS, HAS_CONV_BIAS)
             s_ptrs = head_state + offs_v[:, None] * K + offs_k[None, :]
             mask_s = live & (mask_v[:, None] & mask_k[None, :])
-            S = tl.load(s_ptrs, mask=mask_s, other=0.0).to(tl.float32)
+            if PREFETCH_STATE:
+                S = S0.to(tl.float32)
+            else:
+                S = tl.load(s_ptrs, mask=mask_s, other=0.0).to(tl.float32)
             S = delta_rule_update(S, k, v, g, beta)
             o = tl.where(live, tl.sum(S * q[None, :], axis=1), 0.0)
             tl.store(s_ptrs, S.to(state.dtype.element_ty), mask=mask_s)
             if HAS_NORM:
-                gate = tl.load(norm_gate + i_b.to(tl.int64) * stride_gate_row + i_hv * V + offs_v, mask=mask_v,
-                               other=0.0)
-                w = tl.load(norm_weight + offs_v, mask=mask_v, other=0.0)
-                o = gated_rmsnorm_rows(o, gate.to(tl.float32), w, norm_eps, V)
-            tl.store(out + (i_b * HV + i_hv) * V + offs_v, o.to(out.dtype.element_ty), mask=mask_v)
+                o_row += tl.sum(tl.where(offs_row[None, :] == offs_v[:, None], o[:, None], 0.0), axis=0)
+            else:
+                tl.store(out + (i_b * HV + i_hv) * V + offs_v, o.to(out.dtype.element_ty), mask=mask_v)
+        if HAS_NORM:
+            mask_row = offs_row < V
+            gate = tl.load(norm_gate + i_b.to(tl.int64) * stride_gate_row + i_hv * V + offs_row, mask=mask_row,
+                           other=0.0)
+            w = tl.load(norm_weight + offs_row, mask=mask_row, other=0.0)
+            o_row = gated_rmsnorm_rows(o_row, gate.to(tl.float32), w, norm_eps, V)
+            tl.store(out + (i_b * HV + i_hv) * V + offs_row, o_row.to(out.dtype.element_ty), mask=mask_row)
 
 
 _fused_decode = CachedKernel(_fused_decode_kernel)
 
 
-def _launch_config(V: int, K: int, has_norm: bool) -> tuple:
-    """(BLOCK_V, V_TILES, num_warps), pinned (no autotune; not yet swept on the H200).
+def _launch_config(batch: int, H: int, V: int, K: int) -> tuple:
+    """(BLOCK_V, V_TILES, num_warps), pinned from the H200 sweep (benchmarks/results).
 
-    A tile of state rows of ~8K float32 (64 rows at K = 128) with ~64 values a thread;
-    with the fused norm the tile spans all of V (128 x 128 at 8 warps for Kimi).
+    From batch 8 up, one warp streaming 4 KB tiles of state rows is fastest (the norm
+    gathers o's row from the tiles). A tiny batch has only B*H programs, so each takes the
+    whole of V at once with 8 warps, its state load issued before the conv.
     """
     block_k = triton.next_power_of_2(K)
-    full_v = triton.next_power_of_2(V)
-    block_v = full_v if has_norm else min(full_v, max(1, 8192 // block_k))
-    num_warps = min(16, max(1, block_v * block_k // 2048))
-    return block_v, triton.cdiv(V, block_v), num_warps
+    if batch * H <= 64:
+        return triton.next_power_of_2(V), 1, 8
+    block_v = min(triton.next_power_of_2(V), max(1, 4096 // (block_k * 4)))
+    return block_v, triton.cdiv(V, block_v), 1
 
 
 @register("fused_decode", "triton")
 def fused_decode_triton(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, state, slot_indices, out, *,
                         conv_bias, scale, lower_bound, norm_gate, norm_weight, norm_eps, config=None):
-    """``config = (BLOCK_V, V_TILES, num_warps)`` overrides the pinned choice (sweeps, tests)."""
+    """``config = (BLOCK_V, V_TILES, num_warps[, prefetch_state])`` overrides the pinned choice."""
     B = qkv.shape[0]
     _, HV, V, K = state.shape
     H = reference.infer_packed_heads(qkv.shape[1], HV, V, K)
     if B == 0:
         return out
     has_norm = norm_weight is not None
-    block_v, v_tiles, num_warps = config or _launch_config(V, K, has_norm)
-    if block_v * v_tiles < V or (has_norm and v_tiles != 1):
-        raise ValueError(f"fused_decode config {config} does not cover V={V} (the norm needs the whole row "
-                         "in one tile).")
+    block_v, v_tiles, num_warps, *prefetch = config or _launch_config(B, H, V, K)
+    prefetch_state = (prefetch[0] if prefetch else True) and v_tiles == 1 and HV == H
+    if block_v * v_tiles < V:
+        raise ValueError(f"fused_decode config {config} does not cover V={V}.")
     W = conv_weight.shape[1]
     _fused_decode(
         (H, B, 1),
@@ -129,8 +150,8 @@ def fused_decode_triton(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, stat
          state.stride(0), norm_gate.stride(0) if has_norm else 0,
          float(scale), float(lower_bound) if lower_bound is not None else 0.0, float(norm_eps)),
         dict(H=H, HV=HV, GROUP=HV // H, K=K, V=V, W=W, BLOCK_K=triton.next_power_of_2(K), BLOCK_V=block_v,
-             V_TILES=v_tiles, BLOCK_TAPS=triton.next_power_of_2(W - 1), HAS_CONV_BIAS=conv_bias is not None,
-             SAFE_GATE=lower_bound is not None, HAS_NORM=has_norm),
+             V_TILES=v_tiles, BLOCK_V_ROW=triton.next_power_of_2(V), BLOCK_TAPS=triton.next_power_of_2(W - 1), HAS_CONV_BIAS=conv_bias is not None,
+             SAFE_GATE=lower_bound is not None, HAS_NORM=has_norm, PREFETCH_STATE=prefetch_state),
         num_warps=num_warps, num_stages=1)
     return out
 
@@ -163,6 +184,11 @@ def fused_decode(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, state, slot
                                  conv_bias=conv_bias, lower_bound=lower_bound, norm_gate=norm_gate,
                                  norm_weight=norm_weight, norm_eps=norm_eps, full_checks=full_checks)
     scale = state.shape[-1] ** -0.5 if scale is None else scale
+    if torch.compiler.is_compiling() or type(qkv) is not torch.Tensor:  # traced: kdakit/custom_ops.py
+        torch.ops.kdakit.fused_decode(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, state, slot_indices, out,
+                                      conv_bias, float(scale), None if lower_bound is None else float(lower_bound),
+                                      norm_gate, norm_weight, float(norm_eps), backend)
+        return out
     _, impl = select("fused_decode", qkv.device, backend)
     return impl(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, state, slot_indices, out, conv_bias=conv_bias,
                 scale=scale, lower_bound=lower_bound, norm_gate=norm_gate, norm_weight=norm_weight,

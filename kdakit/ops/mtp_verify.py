@@ -360,6 +360,14 @@ def mtp_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indic
                      conv_bias=conv_bias, snapshots=snapshots, rings=rings, lower_bound=lower_bound,
                      norm_gate=norm_gate, norm_weight=norm_weight, full_checks=full_checks)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if torch.compiler.is_compiling() or type(q) is not torch.Tensor:  # traced: kdakit/custom_ops.py
+        from ..custom_ops import mtp_verify_tensors
+        torch.ops.kdakit.mtp_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, out,
+                                    *mtp_verify_tensors(conv_weights, conv_states, intermediate_conv, conv_bias,
+                                                        snapshots, rings),
+                                    float(scale), None if lower_bound is None else float(lower_bound), norm_gate,
+                                    norm_weight, float(norm_eps), backend)
+        return out
     _, impl = select("mtp_verify", q.device, backend)
     return impl(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, out,
                 conv_weights=conv_weights, conv_states=conv_states, intermediate_conv=intermediate_conv,

@@ -127,6 +127,11 @@ def packed_decode(mixed_qkv, a, b, A_log, dt_bias, state, slot_indices, out=None
     contracts.check_packed_decode(mixed_qkv, a, b, A_log, dt_bias, state, out, slot_indices, lower_bound=lower_bound,
                                   helion=(backend or forced_backend()) == "helion", full_checks=full_checks)
     scale = state.shape[-1] ** -0.5 if scale is None else scale
+    if torch.compiler.is_compiling() or type(mixed_qkv) is not torch.Tensor:  # traced: kdakit/custom_ops.py
+        torch.ops.kdakit.packed_decode(mixed_qkv, a, b, A_log, dt_bias, state, slot_indices, out, float(scale),
+                                       bool(use_qk_l2norm), None if lower_bound is None else float(lower_bound),
+                                       backend)
+        return out
     _, impl = select("packed_decode", mixed_qkv.device, backend)
     return impl(mixed_qkv, a, b, A_log, dt_bias, state, slot_indices, out,
                 scale=scale, use_qk_l2norm=use_qk_l2norm, lower_bound=lower_bound)

@@ -124,19 +124,14 @@ def _recurrent_forward_kernel(
 _recurrent_forward = CachedKernel(_recurrent_forward_kernel)
 
 
-def _launch_config(N: int, HV: int, V: int, K: int) -> tuple:
-    """(BLOCK_V, num_warps), chosen ahead of time (no autotuning in a serving call).
-
-    The state tile lives in registers for the whole sequence: 16 rows of K=128 float32
-    (8 KB) over 2 warps is 32 registers a thread; a small grid splits V finer so that
-    enough programs run. Not yet pinned by an H200 sweep (bench_recurrent_forward.py
-    --sweep measures the alternatives).
-    """
+def _launch_config(N: int, HV: int, V: int, K: int, tokens: int) -> tuple:
+    """(BLOCK_V, num_warps), pinned from the H200 sweep (benchmarks/results), no autotuning
+    in a serving call: one warp a program always; 8 rows of K = 128 float32 (4 KB) for
+    one-token sequences, 16 rows (8 KB: fewer programs repeat each token's q/k/gate work)
+    once sequences carry several tokens."""
     block_k = triton.next_power_of_2(K)
-    rows = max(1, min(triton.next_power_of_2(V), 8192 // (block_k * 4)))
-    if N * HV <= 256:
-        return max(1, rows // 2), 1
-    return rows, 2 if rows * block_k >= 2048 else 1
+    kilobytes = 8 if tokens >= 2 * max(N, 1) else 4
+    return max(1, min(triton.next_power_of_2(V), kilobytes * 1024 // (block_k * 4))), 1
 
 
 def _strides4(t):
@@ -154,7 +149,7 @@ def recurrent_forward_triton(q, k, v, g, beta, state, slot_indices, out, *, cu_s
     N = cu_seqlens.numel() - 1 if cu_seqlens is not None else 1
     if N == 0 or HV == 0:
         return out
-    block_v, num_warps = config or _launch_config(N, HV, V, K)
+    block_v, num_warps = config or _launch_config(N, HV, V, K, q.shape[1])
     per_token = slot_indices.dim() == 2
     dummy = slot_indices  # never read: its constexpr flag is off
     grid = (N, HV, triton.cdiv(V, block_v))
@@ -229,6 +224,13 @@ def recurrent_forward(q, k, v, g, beta, state, slot_indices, *, cu_seqlens=None,
                                       A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
                                       num_accepted_tokens=num_accepted_tokens, token_states=token_states,
                                       full_checks=full_checks)
+    if torch.compiler.is_compiling() or type(q) is not torch.Tensor:  # traced: kdakit/custom_ops.py
+        torch.ops.kdakit.recurrent_forward(q, k, v, g, beta, state, slot_indices, out, cu_seqlens,
+                                           None if scale is None else float(scale), bool(use_qk_l2norm), A_log,
+                                           dt_bias, None if lower_bound is None else float(lower_bound),
+                                           BETA_SIGMOID if beta_is_logit else BETA_AS_IS, num_accepted_tokens,
+                                           token_states, bool(write_final_state), None, backend)
+        return out
     return run_recurrent_forward(q, k, v, g, beta, state, slot_indices, out, cu_seqlens=cu_seqlens, scale=scale,
                                  use_qk_l2norm=use_qk_l2norm, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
                                  beta_mode=BETA_SIGMOID if beta_is_logit else BETA_AS_IS,

@@ -1,0 +1,62 @@
+"""Run every op's Triton path on CPU tensors in compile-only mode (see kdakit/ops/launch.py):
+each launch is compiled for the H200 (sm_90) instead of run. Prints the kernels compiled.
+Run in a fresh process with KDAKIT_COMPILE_ONLY=sm_90 and without TRITON_INTERPRET."""
+import sys
+
+import torch
+
+import kdakit
+from kdakit.ops.launch import COMPILED_FOR_TARGET
+
+H = HV = 2
+K = V = 128
+N, T, slots, W = 2, 3, 4, 4
+bf = torch.bfloat16
+g = torch.Generator().manual_seed(0)
+
+
+def rnd(*shape, dtype=bf):
+    return torch.randn(*shape, generator=g).to(dtype)
+
+
+state = rnd(slots, HV, V, K, dtype=torch.float32)
+idx = torch.tensor([1, -1], dtype=torch.int32)
+A_log, dt_bias = torch.rand(HV), torch.randn(HV * K)
+C = 2 * H * K + HV * V
+mixed, a, b = rnd(N, C), rnd(N, HV * K), rnd(N, HV)
+for lower_bound in (None, -5.0):
+    kdakit.packed_decode(mixed, a, b, A_log, dt_bias, state, idx, lower_bound=lower_bound, backend="triton")
+kdakit.packed_decode(mixed, a, b, A_log, dt_bias, state.to(bf), idx, backend="triton")
+conv_w = torch.randn(C, W, generator=g)
+conv_state = rnd(slots, C, W - 1)
+for batch in (1, 80):  # both fused-decode tile configs (tiny batch: whole V per program)
+    qkv, aa, bb = rnd(batch, C), rnd(batch, HV * K), rnd(batch, HV)
+    slots_b = torch.arange(batch, dtype=torch.int32) % slots - (torch.arange(batch) >= slots).int() * 100
+    kdakit.fused_decode(qkv, conv_w, conv_state, aa, bb, A_log, dt_bias, state, slots_b.clamp(min=-1),
+                        norm_gate=rnd(batch, HV * V), norm_weight=torch.rand(V), backend="triton")
+kdakit.causal_conv1d_update(mixed, conv_state, conv_w, idx, backend="triton")
+kdakit.gated_rmsnorm(rnd(N, HV, V), rnd(N, HV, V), torch.rand(V), backend="triton")
+q, k, v = rnd(N, T, H, K), rnd(N, T, H, K), rnd(N, T, HV, V)
+aT, bT = rnd(N, T, HV, K), rnd(N, T, HV)
+chans = (H * K, H * K, HV * V)
+conv_weights = tuple(torch.randn(c, W, generator=g) for c in chans)
+conv_states = tuple(rnd(slots, c, W - 1) for c in chans)
+inter = tuple(rnd(slots, T, c, W - 1) for c in chans)
+scratch = torch.tensor([0, 1], dtype=torch.int32)
+snaps = torch.zeros(slots, T, HV, V, K)
+rings = (rnd(slots, H, T, K), rnd(slots, HV, T, V), torch.zeros(slots, HV, T, K), torch.zeros(slots, HV, T))
+kdakit.mtp_verify(q, k, v, aT, bT, A_log, dt_bias, state, idx, scratch, conv_weights=conv_weights,
+                  conv_states=conv_states, intermediate_conv=inter, snapshots=snaps, lower_bound=-5.0,
+                  norm_gate=rnd(N, T, HV, V), norm_weight=torch.rand(V), backend="triton")
+kdakit.mtp_verify(q, k, v, aT, bT, A_log, dt_bias, state, idx, scratch, rings=rings, backend="triton")
+accept = torch.tensor([2, 0], dtype=torch.int32)
+kdakit.commit_ring(state, *rings, idx, accept, track_slots=torch.tensor([3, -1], dtype=torch.int32),
+                   track_steps=torch.tensor([0, 0], dtype=torch.int32), backend="triton")
+kdakit.commit_snapshots(state, snaps, idx, scratch, accept - 1, conv_states=conv_states, intermediate_conv=inter,
+                        backend="triton")
+cu = torch.tensor([0, 2, 5], dtype=torch.int32)
+kdakit.recurrent_forward(rnd(1, 5, H, K), rnd(1, 5, H, K), rnd(1, 5, HV, V), rnd(1, 5, HV, K), rnd(1, 5, HV),
+                         state, torch.tensor([0, 2], dtype=torch.int32), cu_seqlens=cu, A_log=A_log,
+                         dt_bias=dt_bias, beta_is_logit=True, backend="triton")
+print(" ".join(COMPILED_FOR_TARGET))
+sys.exit(0)

@@ -1,0 +1,36 @@
+"""`kdakit demo` on the CPU: plain and speculative decoding give the same tokens."""
+import json
+import time
+
+import pytest
+
+from kdakit.__main__ import main
+from kdakit.layer import KDALayer
+
+
+@pytest.mark.parametrize("spec", ["ring", "snapshot"])
+def test_demo_json_matches(capsys, spec):
+    t0 = time.perf_counter()
+    rc = main(["demo", "--json", "--quiet", "--spec", spec])
+    elapsed = time.perf_counter() - t0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == 0 and result["match"] is True
+    assert 0 < result["accept_rate"] < 1
+    assert result["tokens"] > 0 and result["spec"] == spec
+    assert len([c for c in result["accept_len_hist"] if c]) > 1, "accept lengths must vary"
+    assert set(result["us_per_layer_call"]) == {"prefill", "decode", "verify", "commit"}
+    assert elapsed < 30
+
+
+def test_demo_reports_a_mismatch(capsys, monkeypatch):
+    monkeypatch.setattr(KDALayer, "commit", lambda self, *a, **k: None)  # a commit that keeps nothing
+    rc = main(["demo", "--json", "--quiet", "--new-tokens", "12", "--batch", "1"])
+    assert rc == 1 and json.loads(capsys.readouterr().out.strip())["match"] is False
+
+
+def test_bench_without_gpu_exits_2(capsys):
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    assert main(["bench"]) == 2
+    assert "no CUDA GPU" in capsys.readouterr().err
