@@ -151,14 +151,16 @@ def fla_spec_call(L, T):
         use_beta_sigmoid_in_kernel=True, lower_bound=LOWER_BOUND, out=out)
 
 
-def timings(results, quick):
+def timings(results, quick, commit_only=False):
     ceiling = results["copy_ceiling_GBps"]
     batches = (8, 64) if quick else (1, 8, 64, 256)
     for num_spec in (1, 3, 7):
         T = 1 + num_spec
         for N in batches:
             base = {"num_spec": num_spec, "N": N}
-            for mode, conv in (("snapshot", False), ("ring", False), ("snapshot", True), ("ring", True)):
+            modes = (("snapshot", False), ("ring", False)) + (() if commit_only else (("snapshot", True),
+                                                                                    ("ring", True)))
+            for mode, conv in modes:
                 moved = N * STATE_BYTES * ((1 + T) if mode == "snapshot" else 1)
                 nl = harness.layers_for(moved)
                 layers = [make_layer(N, T, conv=conv, mode=mode, seed=i, slots=N * (T + 1) + 2) for i in range(nl)]
@@ -201,12 +203,13 @@ def timings(results, quick):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--commit-only", action="store_true", help="time the commits (and their verifies) only")
     parser.add_argument("--name", default="mtp_h200")
     args = parser.parse_args()
     results = {"env": harness.environment(), "checks": [], "rows": []}
     results["copy_ceiling_GBps"] = round(harness.copy_ceiling_gbps(), 1)
     correctness(results)
-    timings(results, args.quick)
+    timings(results, args.quick, args.commit_only)
     path = harness.save(results, args.name)
     print(f"copy ceiling {results['copy_ceiling_GBps']} GB/s; saved {path}")
     harness.print_table(results["checks"], ["case", "ok", "out_err", "pool_err"])

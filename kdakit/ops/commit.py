@@ -15,7 +15,7 @@ import triton.language as tl
 from .. import contracts, reference
 from ..backends import register, select
 from .launch import CachedKernel
-from .mtp_verify import STEP_CHUNK, recurrence_tile, row_of
+from .mtp_verify import recurrence_tile, row_of
 from .triton_math import delta_rule_update, l2_normalize
 
 
@@ -52,32 +52,29 @@ def _commit_ring_kernel(
         track_mask = mask_s & (track_slot > null_block_id) & (track_slot >= 0)
         track_ptrs = state + layer * s_state_layer + track_slot * s_state_slot + tile
 
-    # The inputs of a chunk of BLOCK_L steps are loaded at once; only the fold is sequential.
-    rk = ring_k + layer * s_rk_layer + slot * s_rk_slot + i_h * ring_len * K + offs_k[None, :]
-    rv = ring_v + layer * s_rv_layer + slot * s_rv_slot + i_hv * ring_len * V + offs_v[None, :]
-    rg = ring_g + layer * s_rg_layer + slot * s_rg_slot + i_hv * ring_len * K + offs_k[None, :]
-    rb = ring_beta + layer * s_rb_layer + slot * s_rb_slot + i_hv * ring_len
-    chunk = 0
-    while chunk < num_steps:  # a loaded bound: `while` runs in the interpreter and compiled alike
-        chunk_steps = chunk + tl.arange(0, BLOCK_L)
-        in_range = chunk_steps < num_steps
-        k_all = tl.load(rk + chunk_steps[:, None] * K, mask=in_range[:, None] & mask_k[None, :], other=0.0)
-        v_all = tl.load(rv + chunk_steps[:, None] * V, mask=in_range[:, None] & mask_v[None, :], other=0.0)
-        g_all = tl.load(rg + chunk_steps[:, None] * K, mask=in_range[:, None] & mask_k[None, :], other=0.0)
-        beta_all = tl.load(rb + chunk_steps, mask=in_range, other=0.0).to(tl.float32)
-        k_all = k_all.to(tl.float32)
-        v_all = v_all.to(tl.float32)
-        g_all = g_all.to(tl.float32)
-        for j in tl.static_range(BLOCK_L):
-            if chunk + j < num_steps:
-                k_t = row_of(k_all, j, BLOCK_L)
-                if USE_QK_L2NORM:
-                    k_t = l2_normalize(k_t)
-                beta_t = tl.sum(tl.where(tl.arange(0, BLOCK_L) == j, beta_all, 0.0), axis=0)
-                S = delta_rule_update(S, k_t, row_of(v_all, j, BLOCK_L), row_of(g_all, j, BLOCK_L), beta_t)
-                if TRACK:
-                    tl.store(track_ptrs, S.to(state.dtype.element_ty), mask=track_mask & (chunk + j == track_step))
-        chunk += BLOCK_L
+    # Every accepted step's inputs are loaded at once (BLOCK_L covers the ring); only the
+    # fold itself is sequential. (Measured on the H200: faster than chunks of steps up to
+    # L = 4, on par at L = 8.)
+    ring_pos = tl.arange(0, BLOCK_L)
+    in_range = ring_pos < num_steps
+    k_all = tl.load(ring_k + layer * s_rk_layer + slot * s_rk_slot + (i_h * ring_len + ring_pos[:, None]) * K
+                    + offs_k[None, :], mask=in_range[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
+    v_all = tl.load(ring_v + layer * s_rv_layer + slot * s_rv_slot + (i_hv * ring_len + ring_pos[:, None]) * V
+                    + offs_v[None, :], mask=in_range[:, None] & mask_v[None, :], other=0.0).to(tl.float32)
+    g_all = tl.load(ring_g + layer * s_rg_layer + slot * s_rg_slot + (i_hv * ring_len + ring_pos[:, None]) * K
+                    + offs_k[None, :], mask=in_range[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
+    beta_all = tl.load(ring_beta + layer * s_rb_layer + slot * s_rb_slot + i_hv * ring_len + ring_pos,
+                       mask=in_range, other=0.0).to(tl.float32)
+    t = 0
+    while t < num_steps:  # a loaded bound: `while` runs in the interpreter and compiled alike
+        k_t = row_of(k_all, t, BLOCK_L)
+        if USE_QK_L2NORM:
+            k_t = l2_normalize(k_t)
+        beta_t = tl.sum(tl.where(ring_pos == t, beta_all, 0.0), axis=0)
+        S = delta_rule_update(S, k_t, row_of(v_all, t, BLOCK_L), row_of(g_all, t, BLOCK_L), beta_t)
+        if TRACK:
+            tl.store(track_ptrs, S.to(state.dtype.element_ty), mask=track_mask & (t == track_step))
+        t += 1
     tl.store(s_ptrs, S.to(state.dtype.element_ty), mask=mask_s)
 
 
@@ -131,7 +128,7 @@ def commit_ring_triton(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, a
         ring_k.stride(0) if layered else 0, ring_k.stride(1), ring_v.stride(0) if layered else 0, ring_v.stride(1),
         ring_g.stride(0) if layered else 0, ring_g.stride(1), ring_beta.stride(0) if layered else 0,
         ring_beta.stride(1), ring_len, int(null_block_id)),
-        dict(H=H, HV=HV, K=K, V=V, BLOCK_L=STEP_CHUNK, BLOCK_K=triton.next_power_of_2(K),
+        dict(H=H, HV=HV, K=K, V=V, BLOCK_L=triton.next_power_of_2(ring_len), BLOCK_K=triton.next_power_of_2(K),
              BLOCK_V=block_v,
              USE_QK_L2NORM=bool(use_qk_l2norm), TRACK=track), num_warps=num_warps, num_stages=1)
 
