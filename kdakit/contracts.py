@@ -18,6 +18,11 @@ ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_HEAD_DIM = 256
 
 
+def fail(message: str):
+    """Raise the contract's ValueError (one place, so every op raises alike)."""
+    raise ValueError(message)
+
+
 def env_flag(name: str) -> str:
     """An environment variable, read on every call (tests and users flip them at run
     time) but through os.environ's own dict: ``os.environ.get`` costs ~1 µs a call,

@@ -75,19 +75,19 @@ def call_verify(p, bufs, *, conv, lower_bound, backend=None, f64=False):
                              p["slot_indices"], p["scratch_indices"], backend=backend, **kw)
 
 
-CASES = [  # (mode, conv, norm, lower_bound, act, K, V)
-    pytest.param("snapshot", True, False, -5.0, torch.bfloat16, 16, 24, id="snapshot-conv-safegate-bf16-K16-V24"),
-    pytest.param("ring", True, True, -2.0, torch.bfloat16, 16, 16, id="ring-conv-norm-bf16"),
-    pytest.param("snapshot", False, True, None, torch.float32, 24, 16, id="snapshot-noconv-norm-defaultgate-f32"),
-    pytest.param("ring", False, False, None, torch.float32, 16, 32, id="ring-noconv-f32-K16-V32"),
+CASES = [  # (mode, conv, norm, lower_bound, act, K, V, T)
+    pytest.param("snapshot", True, False, -5.0, torch.bfloat16, 16, 24, 3, id="snapshot-conv-safegate-bf16-K16-V24"),
+    pytest.param("ring", True, True, -2.0, torch.bfloat16, 16, 16, 3, id="ring-conv-norm-bf16"),
+    pytest.param("snapshot", False, True, None, torch.float32, 24, 16, 3, id="snapshot-noconv-norm-defaultgate-f32"),
+    pytest.param("ring", False, False, None, torch.float32, 16, 32, 3, id="ring-noconv-f32-K16-V32"),
+    # more steps than one chunk of prepared steps (mtp_verify.STEP_CHUNK)
+    pytest.param("ring", False, False, -1.0, torch.float32, 16, 16, 6, id="ring-noconv-f32-6-steps"),
 ]
-LONG_CHAIN = pytest.param("ring", False, False, -1.0, torch.float32, 16, 16, id="ring-noconv-f32-6-steps")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("mode,conv,norm,lower_bound,act,K,V", CASES + [LONG_CHAIN])
-def test_verify_matches_float64_reference(backend, mode, conv, norm, lower_bound, act, K, V):
-    T = 6 if K == V == 16 and lower_bound == -1.0 else 3  # 6 steps: more than one step chunk
+@pytest.mark.parametrize("mode,conv,norm,lower_bound,act,K,V,T", CASES)
+def test_verify_matches_float64_reference(backend, mode, conv, norm, lower_bound, act, K, V, T):
     p, d = make_problem(11, act=act, conv=conv, norm=norm, K=K, V=V, T=T)
     state_before = p["state"].clone()
     conv_before = [c.clone() for c in p.get("conv_states", ())]
@@ -102,7 +102,6 @@ def test_verify_matches_float64_reference(backend, mode, conv, norm, lower_bound
         assert torch.equal(c, before), "the persistent conv pools are read-only"
     live = [0, 2]
     rows = p["scratch_indices"][live].long()
-    del T
     if mode == "snapshot":
         # bf16 post-conv values: a float32 conv and a float64 one can round to neighbouring bf16s
         assert_close(bufs["snapshots"][rows, :d["T"]], ref_bufs["snapshots"][rows, :d["T"]], 1e-5 if act ==
