@@ -11,8 +11,9 @@ import os
 
 import torch
 
+import kdakit
+
 from . import backends, reference
-from .ops.packed_decode import packed_decode
 
 
 def available_backends(device: torch.device) -> list[str]:
@@ -32,28 +33,114 @@ def _rel(x, y) -> float:
     return float((x - y).norm() / y.norm().clamp_min(1e-30))
 
 
-def check_packed_decode(backend: str, device, seed: int = 0) -> dict:
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    B, H, HV, K, V, slots = 4, 2, 4, 32, 64, 9
+class _Case:
+    """Small random inputs for one check, on the device at hand, float32 (float64 for the oracle)."""
 
-    def rnd(*shape):
-        return torch.randn(*shape, generator=gen).to(device)
-    mixed, a, b = rnd(B, 2 * H * K + HV * V), rnd(B, HV * K), rnd(B, HV)
-    A_log, dt_bias = torch.rand(HV, generator=gen).to(device), rnd(HV * K) * 0.5
-    state = rnd(slots, HV, V, K)
-    idx = torch.tensor([7, -1, 2, 4], dtype=torch.int32, device=device)
-    before = state.clone()
-    ref_state, ref_out = state.double(), torch.empty(B, 1, HV, V, dtype=torch.float64, device=device)
-    reference.packed_decode(mixed.double(), a.double(), b.double(), A_log.double(), dt_bias.double(), ref_state,
-                            idx, ref_out, lower_bound=-2.0, compute_dtype=torch.float64)
-    out = torch.full((B, 1, HV, V), float("nan"), device=device)
-    packed_decode(mixed, a, b, A_log, dt_bias, state, idx, out, lower_bound=-2.0, backend=backend)
-    unused = [s for s in range(slots) if s not in (7, 2, 4)]
-    return {"out_err": _rel(out, ref_out), "pool_err": _rel(state, ref_state),
-            "untouched": bool(torch.equal(state[unused], before[unused]))}
+    def __init__(self, device, seed=0, H=2, HV=4, K=32, V=48, slots=9):
+        self.gen = torch.Generator(device="cpu").manual_seed(seed)
+        self.device, self.H, self.HV, self.K, self.V, self.slots = device, H, HV, K, V, slots
+        self.A_log = torch.rand(HV, generator=self.gen).to(device)
+        self.dt_bias = self.rnd(HV * K) * 0.5
+        self.state = self.rnd(slots, HV, V, K) * 0.5
+        self.idx = torch.tensor([7, -1, 2, 4], dtype=torch.int32, device=device)
+
+    def rnd(self, *shape):
+        return torch.randn(*shape, generator=self.gen).to(self.device)
+
+    def unused(self):
+        live = set(int(s) for s in self.idx.tolist() if s >= 0)
+        return [s for s in range(self.slots) if s not in live]
 
 
-CHECKS = {"packed_decode": check_packed_decode}
+def _f64(t):
+    return t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+
+
+def check_packed_decode(backend, device):
+    c = _Case(device)
+    B = c.idx.numel()
+    mixed, a, b = c.rnd(B, 2 * c.H * c.K + c.HV * c.V), c.rnd(B, c.HV * c.K), c.rnd(B, c.HV)
+    before, ref_state = c.state.clone(), c.state.double()
+    ref_out = torch.empty(B, 1, c.HV, c.V, dtype=torch.float64, device=device)
+    reference.packed_decode(*map(_f64, (mixed, a, b, c.A_log, c.dt_bias)), ref_state, c.idx, ref_out,
+                            lower_bound=-2.0, compute_dtype=torch.float64)
+    out = torch.full((B, 1, c.HV, c.V), float("nan"), device=device)
+    kdakit.packed_decode(mixed, a, b, c.A_log, c.dt_bias, c.state, c.idx, out, lower_bound=-2.0, backend=backend)
+    u = c.unused()
+    return {"out_err": _rel(out, ref_out), "pool_err": _rel(c.state, ref_state),
+            "untouched": bool(torch.equal(c.state[u], before[u]))}
+
+
+def check_fused_decode(backend, device):
+    c = _Case(device, seed=1)
+    B, C, W = c.idx.numel(), 2 * c.H * c.K + c.HV * c.V, 4
+    qkv, a, b = c.rnd(B, C), c.rnd(B, c.HV * c.K), c.rnd(B, c.HV)
+    conv_w, conv = c.rnd(C, W) * 0.5, c.rnd(c.slots, C, W - 1)
+    gate, weight = c.rnd(B, c.HV * c.V), torch.rand(c.V, generator=c.gen).to(device) + 0.5
+    before, ref_state, ref_conv = c.state.clone(), c.state.double(), conv.double()
+    ref_out = torch.empty(B, 1, c.HV, c.V, dtype=torch.float64, device=device)
+    reference.fused_decode(*map(_f64, (qkv, conv_w)), ref_conv, *map(_f64, (a, b, c.A_log, c.dt_bias)), ref_state,
+                           c.idx, ref_out, norm_gate=gate.double(), norm_weight=weight.double(),
+                           compute_dtype=torch.float64)
+    out = kdakit.fused_decode(qkv, conv_w, conv, a, b, c.A_log, c.dt_bias, c.state, c.idx, norm_gate=gate,
+                              norm_weight=weight, backend=backend)
+    u = c.unused()
+    return {"out_err": _rel(out, ref_out), "pool_err": max(_rel(c.state, ref_state), _rel(conv, ref_conv)),
+            "untouched": bool(torch.equal(c.state[u], before[u]))}
+
+
+def check_mtp_verify_and_commit(backend, device):
+    """Ring verify + ring commit against the reference; the pools stay read-only in verify."""
+    c = _Case(device, seed=2)
+    N, T = c.idx.numel(), 3
+    q, k = c.rnd(N, T, c.H, c.K), c.rnd(N, T, c.H, c.K)
+    v, a, b = c.rnd(N, T, c.HV, c.V), c.rnd(N, T, c.HV, c.K), c.rnd(N, T, c.HV)
+    scratch = torch.tensor([0, 1, 2, 3], dtype=torch.int32, device=device)
+
+    def rings(dtype):
+        return (torch.zeros(c.slots, c.H, T, c.K, dtype=dtype, device=device),
+                torch.zeros(c.slots, c.HV, T, c.V, dtype=dtype, device=device),
+                torch.zeros(c.slots, c.HV, T, c.K, dtype=dtype, device=device),
+                torch.zeros(c.slots, c.HV, T, dtype=dtype, device=device))
+    ref_rings, my_rings = rings(torch.float64), rings(torch.float32)
+    ref_out = torch.empty(N, T, c.HV, c.V, dtype=torch.float64, device=device)
+    reference.mtp_verify(*map(_f64, (q, k, v, a, b, c.A_log, c.dt_bias)), c.state.double(), c.idx, scratch, ref_out,
+                         rings=ref_rings, compute_dtype=torch.float64)
+    before = c.state.clone()
+    out = kdakit.mtp_verify(q, k, v, a, b, c.A_log, c.dt_bias, c.state, c.idx, scratch, rings=my_rings,
+                            backend=backend)
+    read_only = bool(torch.equal(c.state, before))
+    accept = torch.tensor([2, 0, 3, 1], dtype=torch.int32, device=device)
+    ref_state = c.state.double()
+    reference.commit_ring(ref_state, *ref_rings, c.idx, accept, compute_dtype=torch.float64)
+    kdakit.commit_ring(c.state, *my_rings, c.idx, accept, backend=backend)
+    u = c.unused()
+    return {"out_err": _rel(out, ref_out), "pool_err": _rel(c.state, ref_state),
+            "untouched": read_only and bool(torch.equal(c.state[u], before[u]))}
+
+
+def check_recurrent_forward(backend, device):
+    c = _Case(device, seed=3)
+    cu = torch.tensor([0, 3, 4, 7, 9], dtype=torch.int32, device=device)
+    T = 9
+    q, k, v = c.rnd(1, T, c.H, c.K), c.rnd(1, T, c.H, c.K), c.rnd(1, T, c.HV, c.V)
+    g, beta = c.rnd(1, T, c.HV, c.K), c.rnd(1, T, c.HV)
+    idx = torch.tensor([7, 0, 2, 4], dtype=torch.int32, device=device)
+    before, ref_state = c.state.clone(), c.state.double()
+    ref_out = torch.empty(1, T, c.HV, c.V, dtype=torch.float64, device=device)
+    reference.recurrent_forward(*map(_f64, (q, k, v, g, beta)), ref_state, idx, ref_out, cu_seqlens=cu,
+                                A_log=c.A_log.double(), dt_bias=c.dt_bias.double(), beta_is_logit=True,
+                                compute_dtype=torch.float64)
+    out = kdakit.recurrent_forward(q, k, v, g, beta, c.state, idx, cu_seqlens=cu, A_log=c.A_log, dt_bias=c.dt_bias,
+                                   beta_is_logit=True, backend=backend)
+    u = [s for s in range(c.slots) if s not in (7, 0, 2, 4)]
+    return {"out_err": _rel(out, ref_out), "pool_err": _rel(c.state, ref_state),
+            "untouched": bool(torch.equal(c.state[u], before[u]))}
+
+
+CHECKS = {"packed_decode": check_packed_decode, "fused_decode": check_fused_decode,
+          "mtp_verify+commit_ring": check_mtp_verify_and_commit, "recurrent_forward": check_recurrent_forward}
+REGISTRY_NAME = {"mtp_verify+commit_ring": "mtp_verify"}
 
 
 def run(device: str | None = None) -> list[dict]:
@@ -61,7 +148,7 @@ def run(device: str | None = None) -> list[dict]:
     rows = []
     for op, check in CHECKS.items():
         for backend in available_backends(dev):
-            if backend not in backends.available(op):
+            if backend not in backends.available(REGISTRY_NAME.get(op, op)):
                 continue
             try:
                 result = check(backend, dev)
@@ -74,13 +161,14 @@ def run(device: str | None = None) -> list[dict]:
 
 def main(device: str | None = None) -> int:
     rows = run(device)
-    print(f"{'op':18s} {'backend':10s} {'out err':>10s} {'pool err':>10s} {'untouched':>9s}  ok")
+    print(f"{'op':24s} {'backend':10s} {'out err':>10s} {'pool err':>10s} {'untouched':>9s}  ok")
     for r in rows:
         if "error" in r:
-            print(f"{r['op']:18s} {r['backend']:10s} ERROR {r['error']}")
+            print(f"{r['op']:24s} {r['backend']:10s} ERROR {r['error']}")
         else:
-            print(f"{r['op']:18s} {r['backend']:10s} {r['out_err']:10.2e} {r['pool_err']:10.2e} "
+            print(f"{r['op']:24s} {r['backend']:10s} {r['out_err']:10.2e} {r['pool_err']:10.2e} "
                   f"{str(r['untouched']):>9s}  {'yes' if r['ok'] else 'NO'}")
     failed = [r for r in rows if not r["ok"]]
-    print(f"{len(rows) - len(failed)} passed, {len(failed)} failed")
+    print(f"{len(rows) - len(failed)} of {len(rows)} checks agree with the float64 reference"
+          + (f"; {len(failed)} do not" if failed else ""))
     return 1 if failed else 0
