@@ -98,7 +98,10 @@ def _fused_decode_kernel(
             o = tl.where(live, tl.sum(S * q[None, :], axis=1), 0.0)
             tl.store(s_ptrs, S.to(state.dtype.element_ty), mask=mask_s)
             if HAS_NORM:
-                o_row += tl.sum(tl.where(offs_row[None, :] == offs_v[:, None], o[:, None], 0.0), axis=0)
+                if V_TILES == 1:  # the tile is the row
+                    o_row = o
+                else:
+                    o_row += tl.sum(tl.where(offs_row[None, :] == offs_v[:, None], o[:, None], 0.0), axis=0)
             else:
                 tl.store(out + (i_b * HV + i_hv) * V + offs_v, o.to(out.dtype.element_ty), mask=mask_v)
         if HAS_NORM:
@@ -141,6 +144,8 @@ def fused_decode_triton(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, stat
     prefetch_state = (prefetch[0] if prefetch else True) and v_tiles == 1 and HV == H
     if block_v * v_tiles < V:
         raise ValueError(f"fused_decode config {config} does not cover V={V}.")
+    if v_tiles == 1:  # one tile is the whole row (the norm takes it as o's row)
+        block_v = triton.next_power_of_2(V)
     W = conv_weight.shape[1]
     _fused_decode(
         (H, B, 1),
