@@ -129,6 +129,18 @@ def check_lower_bound(lower_bound) -> None:
             raise ValueError(f"`lower_bound` must be in [-5, 0) for the safe gate (got {lower_bound}).")
 
 
+def check_gate_inputs(a, b, A_log, dt_bias, B: int, HV: int, K: int) -> None:
+    """Raw gate ``a [B, HV*K]``, raw beta ``b [B, HV]``, ``A_log [HV]``, ``dt_bias [HV*K]`` (SPEC texts)."""
+    if not (_shape(a) == (B, HV * K)):
+        raise ValueError(f"`a` must have shape [B, HV*K] with HV={HV}, K={K} (got a.shape={_shape(a)}).")
+    if not (_shape(b) == (B, HV)):
+        raise ValueError(f"`b` must have shape [B, HV] with HV={HV} (got b.shape={_shape(b)}).")
+    if not (A_log.numel() == HV):
+        raise ValueError(f"`A_log` must have {HV} elements (got {A_log.numel()}).")
+    if not (dt_bias.numel() == HV * K):
+        raise ValueError(f"`dt_bias` must have {HV * K} elements (got {dt_bias.numel()}).")
+
+
 # ----------------------------------------------------------------------------
 # Packed decode
 # ----------------------------------------------------------------------------
@@ -165,14 +177,7 @@ def check_packed_decode(mixed_qkv, a, b, A_log, dt_bias, initial_state, out, ssm
     if helion:
         if not (K & (K - 1) == 0 and V & (V - 1) == 0):
             raise ValueError(f"Helion KDA decode requires power-of-two key and value head dimensions (got K={K}, V={V}).")
-    if not (_shape(a) == (B, HV * K)):
-        raise ValueError(f"`a` must have shape [B, HV*K] with HV={HV}, K={K} (got a.shape={_shape(a)}).")
-    if not (_shape(b) == (B, HV)):
-        raise ValueError(f"`b` must have shape [B, HV] with HV={HV} (got b.shape={_shape(b)}).")
-    if not (A_log.numel() == HV):
-        raise ValueError(f"`A_log` must have {HV} elements (got {A_log.numel()}).")
-    if not (dt_bias.numel() == HV * K):
-        raise ValueError(f"`dt_bias` must have {HV * K} elements (got {dt_bias.numel()}).")
+    check_gate_inputs(a, b, A_log, dt_bias, B, HV, K)
     if not (_shape(out) == (B, 1, HV, V)):
         raise ValueError(f"`out` must have shape {(B, 1, HV, V)} (got out.shape={_shape(out)}).")
     qk_dim = mixed_qkv.shape[1] - HV * V
@@ -540,14 +545,7 @@ def check_fused_decode(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, state
     check_state_pool(state, "state")
     _, HV, V, K = state.shape
     check_head_dims(K, V)
-    if not (_shape(a) == (B, HV * K)):
-        raise ValueError(f"`a` must have shape [B, HV*K] with HV={HV}, K={K} (got a.shape={_shape(a)}).")
-    if not (_shape(b) == (B, HV)):
-        raise ValueError(f"`b` must have shape [B, HV] with HV={HV} (got b.shape={_shape(b)}).")
-    if not (A_log.numel() == HV):
-        raise ValueError(f"`A_log` must have {HV} elements (got {A_log.numel()}).")
-    if not (dt_bias.numel() == HV * K):
-        raise ValueError(f"`dt_bias` must have {HV * K} elements (got {dt_bias.numel()}).")
+    check_gate_inputs(a, b, A_log, dt_bias, B, HV, K)
     qk_dim = D - HV * V
     if not (qk_dim > 0 and qk_dim % 2 == 0):
         raise ValueError(f"Invalid packed `qkv` last dim={D} for HV={HV}, V={V}; expected 2*H*K + HV*V.")
