@@ -49,3 +49,18 @@ def kda_params(HV, K, *, dtype=torch.float32, generator=None):
     A_log = torch.rand(HV, generator=generator).mul(2.0).sub(1.0).to(dtype)
     dt_bias = torch.randn(HV * K, generator=generator).mul(0.5).to(dtype)
     return A_log, dt_bias
+
+
+def setter(name, fn):
+    """A breaker for error-contract tables: replaces input ``name`` with ``fn(input)``."""
+    def brk(t):
+        t[name] = fn(t[name])
+    return brk
+
+
+def noncontig_last(x):
+    """``x``'s values in a view whose last dim has stride 2."""
+    wide = torch.empty(*x.shape[:-1], 2 * x.shape[-1], dtype=x.dtype)
+    wide[..., ::2] = x
+    return wide[..., ::2]
+

@@ -6,7 +6,7 @@ import torch
 from kdakit import reference
 from kdakit.ops.conv1d_update import causal_conv1d_update, causal_conv1d_update_triton
 
-from helpers import POISON, assert_close, pick_slots, untouched_slots
+from helpers import POISON, assert_close, pick_slots, untouched_slots, noncontig_last, setter
 
 BACKENDS = ["reference", "triton"]
 
@@ -125,18 +125,6 @@ def valid_call():
     t = make_case(B_, C_, W_, slots=5)
     t["out"] = torch.full((B_, C_), POISON)
     return t
-
-
-def setter(name, fn):
-    def brk(t):
-        t[name] = fn(t[name])
-    return brk
-
-
-def noncontig_last(x):
-    wide = torch.empty(*x.shape[:-1], 2 * x.shape[-1], dtype=x.dtype)
-    wide[..., ::2] = x
-    return wide[..., ::2]
 
 
 BREAKERS = [

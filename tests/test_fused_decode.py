@@ -9,7 +9,7 @@ from kdakit.ops.fused_decode import fused_decode, fused_decode_triton
 from kdakit.ops.gated_rmsnorm import gated_rmsnorm
 from kdakit.ops.packed_decode import packed_decode
 
-from helpers import POISON, assert_close, kda_params, pick_slots, random_pool, tol_for, untouched_slots
+from helpers import POISON, assert_close, kda_params, pick_slots, random_pool, tol_for, untouched_slots, noncontig_last, setter
 
 BACKENDS = ["reference", "triton"]
 
@@ -247,18 +247,6 @@ def valid_call(seed=0):
 def call(t, **extra):
     kw = {n: t[n] for n in ("conv_bias", "norm_gate", "norm_weight", "out") if n in t}
     return fused_decode(*(t[n] for n in ARGS), **kw, **extra)
-
-
-def setter(name, fn):
-    def brk(t):
-        t[name] = fn(t[name])
-    return brk
-
-
-def noncontig_last(x):
-    wide = torch.empty(*x.shape[:-1], 2 * x.shape[-1], dtype=x.dtype)
-    wide[..., ::2] = x
-    return wide[..., ::2]
 
 
 BREAKERS = [

@@ -6,7 +6,7 @@ import torch
 from kdakit import reference
 from kdakit.ops.gated_rmsnorm import gated_rmsnorm
 
-from helpers import POISON, assert_close
+from helpers import POISON, assert_close, noncontig_last, setter
 
 BACKENDS = ["reference", "triton"]
 
@@ -89,18 +89,6 @@ def valid_call():
     gen = torch.Generator().manual_seed(4)
     return {"x": torch.randn(4, 2, 16, generator=gen), "gate": torch.randn(4, 2, 16, generator=gen),
             "weight": torch.rand(16, generator=gen) + 0.5, "out": torch.full((4, 2, 16), POISON)}
-
-
-def setter(name, fn):
-    def brk(t):
-        t[name] = fn(t[name])
-    return brk
-
-
-def noncontig_last(x):
-    wide = torch.empty(*x.shape[:-1], 2 * x.shape[-1], dtype=x.dtype)
-    wide[..., ::2] = x
-    return wide[..., ::2]
 
 
 def three_row_groups(t):
