@@ -242,12 +242,11 @@ def main():
     parser.add_argument("--sweep", action="store_true", help="time launch-config variants of the fused kernel")
     parser.add_argument("--name", default="fused_decode_h200")
     args = parser.parse_args()
-    results = {"env": harness.environment(), "checks": [], "rows": []}
-    results["copy_ceiling_GBps"] = round(harness.copy_ceiling_gbps(), 1)
+    results = harness.new_results()
     correctness(results)
     bad = [c for c in results["checks"] if not c["ok"]]
     timings(results, args.quick, args.sweep)
-    results["copy_ceiling_GBps_end"] = round(harness.copy_ceiling_gbps(), 1)
+    harness.close_results(results)
     path = harness.save(results, args.name)
     print(f"copy ceiling {results['copy_ceiling_GBps']} GB/s (end {results['copy_ceiling_GBps_end']}); saved {path}")
     print("eager us/call N=1:", results["eager_us_N1"])

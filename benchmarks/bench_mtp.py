@@ -206,10 +206,10 @@ def main():
     parser.add_argument("--commit-only", action="store_true", help="time the commits (and their verifies) only")
     parser.add_argument("--name", default="mtp_h200")
     args = parser.parse_args()
-    results = {"env": harness.environment(), "checks": [], "rows": []}
-    results["copy_ceiling_GBps"] = round(harness.copy_ceiling_gbps(), 1)
+    results = harness.new_results()
     correctness(results)
     timings(results, args.quick, args.commit_only)
+    harness.close_results(results)
     path = harness.save(results, args.name)
     print(f"copy ceiling {results['copy_ceiling_GBps']} GB/s; saved {path}")
     harness.print_table(results["checks"], ["case", "ok", "out_err", "pool_err"])

@@ -229,12 +229,11 @@ def main():
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--name", default="packed_decode_h200")
     args = parser.parse_args()
-    results = {"env": harness.environment(), "checks": [], "rows": []}
-    results["copy_ceiling_GBps"] = round(harness.copy_ceiling_gbps(), 1)
+    results = harness.new_results()
     correctness(results)
     bad = [c for c in results["checks"] if not c["ok"]]
     timings(results, args.sweep, args.quick)
-    results["copy_ceiling_GBps_end"] = round(harness.copy_ceiling_gbps(), 1)
+    harness.close_results(results)
     path = harness.save(results, args.name)
     print(f"copy ceiling {results['copy_ceiling_GBps']} GB/s (end {results['copy_ceiling_GBps_end']}); saved {path}")
     print("eager us/call N=1:", results["eager_us_N1"])

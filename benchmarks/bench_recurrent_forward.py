@@ -280,12 +280,11 @@ def main():
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--name", default="recurrent_forward_h200")
     args = parser.parse_args()
-    results = {"env": harness.environment(), "checks": [], "rows": []}
-    results["copy_ceiling_GBps"] = round(harness.copy_ceiling_gbps(), 1)
+    results = harness.new_results()
     correctness(results)
     bad = [c for c in results["checks"] if not c["ok"]]
     timings(results, args.sweep, args.quick)
-    results["copy_ceiling_GBps_end"] = round(harness.copy_ceiling_gbps(), 1)
+    harness.close_results(results)
     path = harness.save(results, args.name)
     print(f"copy ceiling {results['copy_ceiling_GBps']} GB/s (end {results['copy_ceiling_GBps_end']}); saved {path}")
     harness.print_table(results["checks"], ["case", "ok", "out_err", "state_err", "ts_err", "err"])

@@ -104,6 +104,17 @@ def environment() -> dict:
             "git": _git_rev()}
 
 
+def new_results(**env_extra) -> dict:
+    """A benchmark's record: the environment, empty checks and rows, the copy ceiling now."""
+    return {"env": {**environment(), **env_extra}, "checks": [], "rows": [],
+            "copy_ceiling_GBps": round(copy_ceiling_gbps(), 1)}
+
+
+def close_results(results: dict) -> None:
+    """The copy ceiling again at the end, so drift during the run shows in the record."""
+    results["copy_ceiling_GBps_end"] = round(copy_ceiling_gbps(), 1)
+
+
 def _git_rev() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
