@@ -17,33 +17,33 @@ import triton.language as tl
 
 from .. import contracts, reference
 from ..backends import register, select
-from .launch import CachedKernel
-from .triton_math import delta_rule_update, gated_rmsnorm_rows, kda_log_decay, l2_normalize, short_conv_update
+from .launch import CachedKernel, arrival_counters
+from .triton_math import (delta_rule_update, gated_rmsnorm_rows, kda_log_decay, l2_normalize, shift_window,
+                          short_conv, short_conv_update)
 
 
 @triton.jit
 def _fused_decode_kernel(
     qkv, conv_weight, conv_bias, conv_state, a, b, A_log, dt_bias, state, slot_indices, norm_gate, norm_weight, out,
+    arrivals,
     stride_qkv_row, stride_conv_slot, stride_conv_chan, stride_conv_tap, stride_a_row, stride_b_row,
     stride_state_slot, stride_gate_row,
     scale, lower_bound, norm_eps,
     H: tl.constexpr, HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, V_TILES: tl.constexpr, BLOCK_V_ROW: tl.constexpr,
-    BLOCK_TAPS: tl.constexpr,
-    HAS_CONV_BIAS: tl.constexpr, SAFE_GATE: tl.constexpr, HAS_NORM: tl.constexpr, PREFETCH_STATE: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, V_TILES: tl.constexpr, PROGRAMS_PER_HEAD: tl.constexpr,
+    BLOCK_V_ROW: tl.constexpr, BLOCK_TAPS: tl.constexpr,
+    HAS_CONV_BIAS: tl.constexpr, SAFE_GATE: tl.constexpr, HAS_NORM: tl.constexpr,
 ):
-    # Why one program per (request, KEY head), looping over the GROUP value heads of that
-    # key head and over all of V: the conv window is shifted in place, and programs run
-    # concurrently with no ordering between them. The q/k conv of key head h is needed by
-    # every value head (and every V tile) of its group; if those were separate programs,
-    # one would have to write the shifted q/k windows while the others may still be reading
-    # the old ones -- a race no choice of "single writer" fixes. With one program owning
-    # the q/k channels of key head h AND the v channels of its value heads, every window
-    # channel has exactly one reader and one writer, the same program, which reads the old
-    # taps before writing the shifted ones (barrier inside short_conv_update). The cost is
-    # less parallelism (B*H programs, not B*HV*V/BLOCK_V) at small batch. The fused norm
-    # needs the whole V row of o in registers, so with HAS_NORM a tile spans all of V.
-    i_h, i_b = tl.program_id(0), tl.program_id(1)
+    # One program owns V_TILES tiles of BLOCK_V state rows of one (request, value head), as
+    # in packed decode, so a small batch still has many programs in flight. Each program
+    # computes the q/k conv of its key head itself (reading the old window), and shifts
+    # the windows of its own v channels in place. The shared q/k windows and the output
+    # norm (which needs all of o's row) are left to the LAST program of the key head to
+    # arrive: programs count their arrival on `arrivals[request, key head]` after their
+    # reads of the old window and their stores of o, and the one that sees every other
+    # arrival writes the shifted q/k windows, normalises the rows, and resets the counter.
+    i_v, i_hv, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_h = i_hv // GROUP
     offs_k = tl.arange(0, BLOCK_K)
     mask_k = offs_k < K
     row = qkv + i_b.to(tl.int64) * stride_qkv_row
@@ -51,112 +51,111 @@ def _fused_decode_kernel(
     live = slot >= 0  # padding rows: masked loads and stores never touch either pool
     # 64-bit offsets: slot * stride passes 2**31 in real pools.
     win_row = conv_state + slot * stride_conv_slot
-    if PREFETCH_STATE:
-        # One value head and one tile (Kimi: H == HV, the whole of V): issue the state load
-        # before the conv, so its HBM latency overlaps the conv's loads and barriers.
-        offs_v0 = tl.arange(0, BLOCK_V)
-        s_ptrs0 = state + slot * stride_state_slot + i_h * V * K + offs_v0[:, None] * K + offs_k[None, :]
-        S0 = tl.load(s_ptrs0, mask=live & ((offs_v0 < V)[:, None] & mask_k[None, :]), other=0.0)
+    head_state = state + slot * stride_state_slot + i_hv * V * K
+    if V_TILES == 1:
+        # Issue the state load before the conv, so its HBM latency overlaps the conv's loads.
+        offs_v0 = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
+        S0 = tl.load(head_state + offs_v0[:, None] * K + offs_k[None, :],
+                     mask=live & ((offs_v0 < V)[:, None] & mask_k[None, :]), other=0.0)
 
     q_chan = i_h * K + offs_k
     k_chan = (H + i_h) * K + offs_k
-    q = short_conv_update(row + q_chan, win_row + q_chan.to(tl.int64) * stride_conv_chan, conv_weight + q_chan * W,
-                          conv_bias + q_chan, stride_conv_tap, mask_k, live, W, BLOCK_TAPS, HAS_CONV_BIAS)
-    k = short_conv_update(row + k_chan, win_row + k_chan.to(tl.int64) * stride_conv_chan, conv_weight + k_chan * W,
-                          conv_bias + k_chan, stride_conv_tap, mask_k, live, W, BLOCK_TAPS, HAS_CONV_BIAS)
+    q_win = win_row + q_chan.to(tl.int64) * stride_conv_chan
+    k_win = win_row + k_chan.to(tl.int64) * stride_conv_chan
+    q, q_old, q_x = short_conv(row + q_chan, q_win, conv_weight + q_chan * W, conv_bias + q_chan, stride_conv_tap,
+                               mask_k, live, W, BLOCK_TAPS, HAS_CONV_BIAS)
+    k, k_old, k_x = short_conv(row + k_chan, k_win, conv_weight + k_chan * W, conv_bias + k_chan, stride_conv_tap,
+                               mask_k, live, W, BLOCK_TAPS, HAS_CONV_BIAS)
     q = l2_normalize(q) * scale
     k = l2_normalize(k)
+    a_raw = tl.load(a + i_b.to(tl.int64) * stride_a_row + i_hv * K + offs_k, mask=mask_k, other=0.0)
+    bias = tl.load(dt_bias + i_hv * K + offs_k, mask=mask_k, other=0.0)
+    b_raw = tl.load(b + i_b.to(tl.int64) * stride_b_row + i_hv)
+    A_log_h = tl.load(A_log + i_hv)
+    g = kda_log_decay(a_raw.to(tl.float32), bias.to(tl.float32), A_log_h.to(tl.float32), lower_bound, SAFE_GATE)
+    beta = tl.sigmoid(b_raw.to(tl.float32))
 
-    for j in range(GROUP):
-        i_hv = i_h * GROUP + j
-        a_raw = tl.load(a + i_b.to(tl.int64) * stride_a_row + i_hv * K + offs_k, mask=mask_k, other=0.0)
-        bias = tl.load(dt_bias + i_hv * K + offs_k, mask=mask_k, other=0.0)
-        b_raw = tl.load(b + i_b.to(tl.int64) * stride_b_row + i_hv)
-        A_log_h = tl.load(A_log + i_hv)
-        g = kda_log_decay(a_raw.to(tl.float32), bias.to(tl.float32), A_log_h.to(tl.float32), lower_bound, SAFE_GATE)
-        beta = tl.sigmoid(b_raw.to(tl.float32))
-        head_state = state + slot * stride_state_slot + i_hv * V * K
+    for tile in range(V_TILES):
+        offs_v = (i_v * V_TILES + tile) * BLOCK_V + tl.arange(0, BLOCK_V)
+        mask_v = offs_v < V
+        v_chan = 2 * H * K + i_hv * V + offs_v
+        v = short_conv_update(row + v_chan, win_row + v_chan.to(tl.int64) * stride_conv_chan,
+                              conv_weight + v_chan * W, conv_bias + v_chan, stride_conv_tap, mask_v, live,
+                              W, BLOCK_TAPS, HAS_CONV_BIAS)
+        s_ptrs = head_state + offs_v[:, None] * K + offs_k[None, :]
+        mask_s = live & (mask_v[:, None] & mask_k[None, :])
+        if V_TILES == 1:
+            S = S0.to(tl.float32)
+        else:
+            S = tl.load(s_ptrs, mask=mask_s, other=0.0).to(tl.float32)
+        S = delta_rule_update(S, k, v, g, beta)
+        o = tl.where(live, tl.sum(S * q[None, :], axis=1), 0.0)
+        tl.store(s_ptrs, S.to(state.dtype.element_ty), mask=mask_s)
+        # With the norm this is o before it, rounded to out's dtype as the unfused chain does.
+        tl.store(out + (i_b * HV + i_hv) * V + offs_v, o.to(out.dtype.element_ty), mask=mask_v)
+
+    # Every thread's window reads and o stores precede the arrival (release); the last
+    # program's reads of the other programs' o follow it (acquire).
+    tl.debug_barrier()
+    counter = arrivals + i_b * H + i_h
+    arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    tl.debug_barrier()
+    if arrived == GROUP * PROGRAMS_PER_HEAD - 1:
+        shift_window(q_win, q_old, q_x, stride_conv_tap, mask_k, live, W, BLOCK_TAPS)
+        shift_window(k_win, k_old, k_x, stride_conv_tap, mask_k, live, W, BLOCK_TAPS)
         if HAS_NORM:
-            # The norm needs all of o's row: each tile's o is placed into a full-row vector
-            # (exactly: the other lanes add zeros), so V still streams in small tiles.
             offs_row = tl.arange(0, BLOCK_V_ROW)
-            o_row = tl.zeros([BLOCK_V_ROW], dtype=tl.float32)
-        for tile in range(V_TILES):
-            offs_v = tile * BLOCK_V + tl.arange(0, BLOCK_V)
-            mask_v = offs_v < V
-            v_chan = 2 * H * K + i_hv * V + offs_v
-            v = short_conv_update(row + v_chan, win_row + v_chan.to(tl.int64) * stride_conv_chan,
-                                  conv_weight + v_chan * W, conv_bias + v_chan, stride_conv_tap, mask_v, live,
-                                  W, BLOCK_TAPS, HAS_CONV_BIAS)
-            s_ptrs = head_state + offs_v[:, None] * K + offs_k[None, :]
-            mask_s = live & (mask_v[:, None] & mask_k[None, :])
-            if PREFETCH_STATE:
-                S = S0.to(tl.float32)
-            else:
-                S = tl.load(s_ptrs, mask=mask_s, other=0.0).to(tl.float32)
-            S = delta_rule_update(S, k, v, g, beta)
-            o = tl.where(live, tl.sum(S * q[None, :], axis=1), 0.0)
-            tl.store(s_ptrs, S.to(state.dtype.element_ty), mask=mask_s)
-            if HAS_NORM:
-                if V_TILES == 1:  # the tile is the row
-                    o_row = o
-                else:
-                    o_row += tl.sum(tl.where(offs_row[None, :] == offs_v[:, None], o[:, None], 0.0), axis=0)
-            else:
-                tl.store(out + (i_b * HV + i_hv) * V + offs_v, o.to(out.dtype.element_ty), mask=mask_v)
-        if HAS_NORM:
             mask_row = offs_row < V
-            gate = tl.load(norm_gate + i_b.to(tl.int64) * stride_gate_row + i_hv * V + offs_row, mask=mask_row,
-                           other=0.0)
             w = tl.load(norm_weight + offs_row, mask=mask_row, other=0.0)
-            o_row = gated_rmsnorm_rows(o_row, gate.to(tl.float32), w, norm_eps, V)
-            tl.store(out + (i_b * HV + i_hv) * V + offs_row, o_row.to(out.dtype.element_ty), mask=mask_row)
+            for j in range(GROUP):
+                o_ptrs = out + (i_b * HV + i_h * GROUP + j) * V + offs_row
+                # .cg: the rows were written by other programs, maybe of this SM; read from L2.
+                o_row = tl.load(o_ptrs, mask=mask_row, other=0.0, cache_modifier=".cg").to(tl.float32)
+                gate = tl.load(norm_gate + i_b.to(tl.int64) * stride_gate_row + (i_h * GROUP + j) * V + offs_row,
+                               mask=mask_row, other=0.0)
+                o_row = gated_rmsnorm_rows(o_row, gate.to(tl.float32), w, norm_eps, V)
+                tl.store(o_ptrs, o_row.to(out.dtype.element_ty), mask=mask_row)
+        tl.store(counter, 0)
 
 
 _fused_decode = CachedKernel(_fused_decode_kernel)
 
 
-def _launch_config(batch: int, H: int, V: int, K: int) -> tuple:
-    """(BLOCK_V, V_TILES, num_warps), pinned from the H200 sweep (benchmarks/results).
-
-    From batch 8 up, one warp streaming 4 KB tiles of state rows is fastest (the norm
-    gathers o's row from the tiles). A tiny batch has only B*H programs, so each takes the
-    whole of V at once with 8 warps, its state load issued before the conv.
-    """
-    block_k = triton.next_power_of_2(K)
-    if batch * H <= 64:
-        return triton.next_power_of_2(V), 1, 8
-    block_v = min(triton.next_power_of_2(V), max(1, 4096 // (block_k * 4)))
-    return block_v, triton.cdiv(V, block_v), 1
+def _launch_config(batch: int, HV: int, V: int, K: int) -> tuple:
+    """(BLOCK_V, V_TILES, num_warps), pinned from the H200 sweep (benchmarks/results):
+    as packed decode, one warp streams 4 KB tiles of float32 state rows; a tiny batch
+    splits finer so that enough warps are in flight."""
+    rows = max(1, min(triton.next_power_of_2(V), 4096 // (triton.next_power_of_2(K) * 4)))
+    if batch * HV <= 32:
+        return max(1, rows // 2), 1, 1
+    return rows, 2 if V >= 2 * rows else 1, 1
 
 
 @register("fused_decode", "triton")
 def fused_decode_triton(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, state, slot_indices, out, *,
                         conv_bias, scale, lower_bound, norm_gate, norm_weight, norm_eps, config=None):
-    """``config = (BLOCK_V, V_TILES, num_warps[, prefetch_state])`` overrides the pinned choice."""
+    """``config = (BLOCK_V, V_TILES, num_warps)`` overrides the pinned choice (sweeps)."""
     B = qkv.shape[0]
     _, HV, V, K = state.shape
     H = reference.infer_packed_heads(qkv.shape[1], HV, V, K)
     if B == 0:
         return out
     has_norm = norm_weight is not None
-    block_v, v_tiles, num_warps, *prefetch = config or _launch_config(B, H, V, K)
-    prefetch_state = (prefetch[0] if prefetch else True) and v_tiles == 1 and HV == H
-    if block_v * v_tiles < V:
-        raise ValueError(f"fused_decode config {config} does not cover V={V}.")
-    if v_tiles == 1:  # one tile is the whole row (the norm takes it as o's row)
-        block_v = triton.next_power_of_2(V)
+    block_v, v_tiles, num_warps = config or _launch_config(B, HV, V, K)
+    programs_per_head = triton.cdiv(V, block_v * v_tiles)
     W = conv_weight.shape[1]
     _fused_decode(
-        (H, B, 1),
+        (programs_per_head, HV, B),
         (qkv, conv_weight, conv_bias if conv_bias is not None else conv_weight, conv_state, a, b, A_log, dt_bias,
          state, slot_indices, norm_gate if has_norm else qkv, norm_weight if has_norm else conv_weight, out,
+         arrival_counters(qkv.device, B * H),
          qkv.stride(0), conv_state.stride(0), conv_state.stride(1), conv_state.stride(2), a.stride(0), b.stride(0),
          state.stride(0), norm_gate.stride(0) if has_norm else 0,
          float(scale), float(lower_bound) if lower_bound is not None else 0.0, float(norm_eps)),
         dict(H=H, HV=HV, GROUP=HV // H, K=K, V=V, W=W, BLOCK_K=triton.next_power_of_2(K), BLOCK_V=block_v,
-             V_TILES=v_tiles, BLOCK_V_ROW=triton.next_power_of_2(V), BLOCK_TAPS=triton.next_power_of_2(W - 1), HAS_CONV_BIAS=conv_bias is not None,
-             SAFE_GATE=lower_bound is not None, HAS_NORM=has_norm, PREFETCH_STATE=prefetch_state),
+             V_TILES=v_tiles, PROGRAMS_PER_HEAD=programs_per_head, BLOCK_V_ROW=triton.next_power_of_2(V),
+             BLOCK_TAPS=triton.next_power_of_2(W - 1), HAS_CONV_BIAS=conv_bias is not None,
+             SAFE_GATE=lower_bound is not None, HAS_NORM=has_norm),
         num_warps=num_warps, num_stages=1)
     return out
 

@@ -98,3 +98,19 @@ class CachedKernel:
                    *bound)
 
 
+
+
+_COUNTERS: dict = {}  # (device, stream) -> int32 arrival counters, zero between launches
+
+
+def arrival_counters(device: torch.device, count: int) -> torch.Tensor:
+    """``count`` int32 counters that are zero between launches (each kernel that counts
+    arrivals on them resets what it used), one set per (device, stream) so that two
+    streams never share one. A set is never freed: a CUDA graph captured with it keeps
+    its address even after a larger batch grew a new set."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    sets = _COUNTERS.setdefault((device, stream), [])
+    if not sets or sets[-1].numel() < count:
+        sets.append(torch.zeros(max(count, 2 * sets[-1].numel() if sets else 1024), dtype=torch.int32,
+                                device=device))
+    return sets[-1]

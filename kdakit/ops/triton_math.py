@@ -46,19 +46,19 @@ def gated_rmsnorm_rows(o, gate, weight, eps, V: tl.constexpr):
 
 
 @triton.jit
-def short_conv_update(x_ptrs, win_ptrs, w_ptrs, bias_ptrs, stride_tap, mask, live,
-                      W: tl.constexpr, BLOCK_TAPS: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """One token of the causal short conv with SiLU for a block of channels, window shifted in place.
+def short_conv(x_ptrs, win_ptrs, w_ptrs, bias_ptrs, stride_tap, mask, live,
+               W: tl.constexpr, BLOCK_TAPS: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """One token of the causal short conv with SiLU for a block of channels; reads only.
 
     ``x_ptrs``: the token's inputs; ``win_ptrs``: tap 0 (oldest) of each channel's window,
     taps ``stride_tap`` apart; ``w_ptrs``: each channel's row of a contiguous ``[C, W]``
     float32 weight; ``bias_ptrs`` read only with ``HAS_BIAS``; ``mask``: channel lanes;
     ``live``: scalar, False for padding rows (no window access). Returns the post-conv
-    values in float32, rounded to the input dtype exactly as an unfused conv stores them.
+    values in float32, rounded to the input dtype exactly as an unfused conv stores them,
+    and the old window and the input, which ``shift_window`` stores.
     """
     taps = tl.arange(0, BLOCK_TAPS)
-    tap_mask = taps[None, :] < W - 1
-    win_mask = (mask & live)[:, None] & tap_mask
+    win_mask = (mask & live)[:, None] & (taps[None, :] < W - 1)
     x = tl.load(x_ptrs, mask=mask, other=0.0)
     win = tl.load(win_ptrs[:, None] + taps[None, :] * stride_tap, mask=win_mask, other=0.0)
     winf = win.to(tl.float32)
@@ -72,10 +72,25 @@ def short_conv_update(x_ptrs, win_ptrs, w_ptrs, bias_ptrs, stride_tap, mask, liv
     if HAS_BIAS:
         acc += tl.load(bias_ptrs, mask=mask, other=0.0)
     y = (acc * tl.sigmoid(acc)).to(x.dtype).to(tl.float32)
+    return y, win, x
+
+
+@triton.jit
+def shift_window(win_ptrs, win, x, stride_tap, mask, store_mask, W: tl.constexpr, BLOCK_TAPS: tl.constexpr):
+    """Store the window shifted by one token (``win``, ``x`` from ``short_conv``) where ``store_mask``."""
+    taps = tl.arange(0, BLOCK_TAPS)
+    win_mask = (mask & store_mask)[:, None] & (taps[None, :] < W - 1)
+    tl.store(win_ptrs[:, None] + (taps[None, :] - 1) * stride_tap, win, mask=win_mask & (taps[None, :] >= 1))
+    tl.store(win_ptrs + (W - 2) * stride_tap, x.to(win_ptrs.dtype.element_ty), mask=mask & store_mask)
+
+
+@triton.jit
+def short_conv_update(x_ptrs, win_ptrs, w_ptrs, bias_ptrs, stride_tap, mask, live,
+                      W: tl.constexpr, BLOCK_TAPS: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """``short_conv`` with the window shifted in place (channels this program alone owns)."""
+    y, win, x = short_conv(x_ptrs, win_ptrs, w_ptrs, bias_ptrs, stride_tap, mask, live, W, BLOCK_TAPS, HAS_BIAS)
     # A window tap may be held by several threads (replicated layouts); every thread must
     # have read the old window before any thread writes the shifted one.
     tl.debug_barrier()
-    tl.store(win_ptrs[:, None] + (taps[None, :] - 1) * stride_tap, win,
-             mask=win_mask & (taps[None, :] >= 1))
-    tl.store(win_ptrs + (W - 2) * stride_tap, x.to(win_ptrs.dtype.element_ty), mask=mask & live)
+    shift_window(win_ptrs, win, x, stride_tap, mask, live, W, BLOCK_TAPS)
     return y
