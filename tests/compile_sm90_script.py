@@ -49,6 +49,8 @@ kdakit.mtp_verify(q, k, v, aT, bT, A_log, dt_bias, state, idx, scratch, conv_wei
                   conv_states=conv_states, intermediate_conv=inter, snapshots=snaps, lower_bound=-5.0,
                   norm_gate=rnd(N, T, HV, V), norm_weight=torch.rand(V), backend="triton")
 kdakit.mtp_verify(q, k, v, aT, bT, A_log, dt_bias, state, idx, scratch, rings=rings, backend="triton")
+kdakit.mtp_verify(q, k, v, aT, bT, A_log, dt_bias, state, idx, scratch, conv_weights=conv_weights,
+                  conv_states=conv_states, intermediate_conv=inter, rings=rings, backend="triton")
 accept = torch.tensor([2, 0], dtype=torch.int32)
 kdakit.commit_ring(state, *rings, idx, accept, track_slots=torch.tensor([3, -1], dtype=torch.int32),
                    track_steps=torch.tensor([0, 0], dtype=torch.int32), backend="triton")

@@ -15,7 +15,8 @@ import triton.language as tl
 from .. import contracts, reference
 from ..backends import register, select
 from .launch import CachedKernel
-from .mtp_verify import recurrence_tile, row_of
+from .mtp_verify import recurrence_tile
+from .mtp_verify_inputs import row_of
 from .triton_math import delta_rule_update, l2_normalize
 
 

@@ -17,55 +17,8 @@ from .. import contracts, reference
 from ..backends import register, select
 from .launch import CachedKernel
 from .gated_rmsnorm import gated_rmsnorm
+from .mtp_verify_inputs import conv_silu_steps, row_of, store_windows
 from .triton_math import delta_rule_update, kda_log_decay, l2_normalize
-
-
-@triton.jit
-def row_of(tile, t, BLOCK_ROWS: tl.constexpr):
-    """Row ``t`` of a [BLOCK_ROWS, X] tile, exactly (the other rows contribute +0.0)."""
-    rows = tl.arange(0, BLOCK_ROWS)
-    return tl.sum(tl.where(rows[:, None] == t, tile, 0.0), axis=0)
-
-
-@triton.jit
-def _conv_inputs(x, stride_x_t, window, stride_win_c, stride_win_w, ch, mask, live, pos, T, W: tl.constexpr):
-    """Positions ``pos`` ([BLOCK_T, 1]) of the sequence [persistent window (W-1), x_0, x_1, ...]."""
-    in_window = pos < W - 1
-    from_window = tl.load(window + ch[None, :] * stride_win_c + pos * stride_win_w,
-                          mask=in_window & (mask & live)[None, :], other=0.0)
-    x_pos = pos - (W - 1)
-    from_x = tl.load(x + x_pos * stride_x_t + ch[None, :], mask=(x_pos >= 0) & (x_pos < T) & mask[None, :],
-                     other=0.0)
-    return tl.where(in_window, from_window, from_x).to(tl.float32)
-
-
-@triton.jit
-def _conv_silu_steps(x, stride_x_t, window, stride_win_c, stride_win_w, weight, bias, ch, mask, live,
-                     t0, T, W: tl.constexpr, BLOCK_T: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """[BLOCK_T, channels] SiLU(conv) of steps t0 .. t0+BLOCK_T-1 at once, all loads in flight
-    together, taps summed oldest first as the unfused conv kernel sums them
-    (triton_math.short_conv_update)."""
-    pos = t0 + tl.arange(0, BLOCK_T)[:, None]
-    acc = tl.zeros_like(pos.to(tl.float32) + ch[None, :].to(tl.float32))
-    for j in tl.static_range(W):
-        w = tl.load(weight + ch * W + j, mask=mask, other=0.0)
-        acc += w[None, :] * _conv_inputs(x, stride_x_t, window, stride_win_c, stride_win_w, ch, mask, live,
-                                         pos + j, T, W)
-    if HAS_BIAS:
-        acc += tl.load(bias + ch, mask=mask, other=0.0)[None, :]
-    return acc * tl.sigmoid(acc)
-
-
-@triton.jit
-def _store_windows(dst, stride_dst_t, x, stride_x_t, window, stride_win_c, stride_win_w, ch, mask, live,
-                   store_mask, t0, T, W: tl.constexpr, BLOCK_T: tl.constexpr):
-    """The window after each step t of the chunk (positions t+1 .. t+W-1), into contiguous
-    [C, W-1] blocks."""
-    pos = t0 + tl.arange(0, BLOCK_T)[:, None]
-    for p in tl.static_range(W - 1):
-        val = _conv_inputs(x, stride_x_t, window, stride_win_c, stride_win_w, ch, mask, live, pos + 1 + p, T, W)
-        tl.store(dst + pos * stride_dst_t + ch[None, :] * (W - 1) + p, val.to(dst.dtype.element_ty),
-                 mask=(pos < T) & (store_mask & mask)[None, :])
 
 
 @triton.jit
@@ -126,17 +79,17 @@ def _mtp_verify_kernel(
         tv_mask = mask_t[:, None] & mask_v[None, :]
         if HAS_CONV:
             # Post-conv values are stored in the activation dtype by an unfused conv: round alike.
-            q_all = _conv_silu_steps(x_q, H * K, win_q, s_csq_c, s_csq_w, w_q, bias_q, ch_qk, mask_k, live, chunk,
+            q_all = conv_silu_steps(x_q, H * K, win_q, s_csq_c, s_csq_w, w_q, bias_q, ch_qk, mask_k, live, chunk,
                                      T, W, BLOCK_T, HAS_CONV_BIAS).to(q.dtype.element_ty).to(tl.float32)
-            k_all = _conv_silu_steps(x_k, H * K, win_k, s_csk_c, s_csk_w, w_k, bias_k, ch_qk, mask_k, live, chunk,
+            k_all = conv_silu_steps(x_k, H * K, win_k, s_csk_c, s_csk_w, w_k, bias_k, ch_qk, mask_k, live, chunk,
                                      T, W, BLOCK_T, HAS_CONV_BIAS).to(q.dtype.element_ty).to(tl.float32)
-            v_all = _conv_silu_steps(x_v, HV * V, win_v, s_csv_c, s_csv_w, w_v, bias_v, ch_v, mask_v, live, chunk,
+            v_all = conv_silu_steps(x_v, HV * V, win_v, s_csv_c, s_csv_w, w_v, bias_v, ch_v, mask_v, live, chunk,
                                      T, W, BLOCK_T, HAS_CONV_BIAS).to(q.dtype.element_ty).to(tl.float32)
-            _store_windows(ic_q + row * s_icq_row, s_icq_t, x_q, H * K, win_q, s_csq_c, s_csq_w, ch_qk, mask_k,
+            store_windows(ic_q + row * s_icq_row, s_icq_t, x_q, H * K, win_q, s_csq_c, s_csq_w, ch_qk, mask_k,
                            live, writes_key_head, chunk, T, W, BLOCK_T)
-            _store_windows(ic_k + row * s_ick_row, s_ick_t, x_k, H * K, win_k, s_csk_c, s_csk_w, ch_qk, mask_k,
+            store_windows(ic_k + row * s_ick_row, s_ick_t, x_k, H * K, win_k, s_csk_c, s_csk_w, ch_qk, mask_k,
                            live, writes_key_head, chunk, T, W, BLOCK_T)
-            _store_windows(ic_v + row * s_icv_row, s_icv_t, x_v, HV * V, win_v, s_csv_c, s_csv_w, ch_v, mask_v,
+            store_windows(ic_v + row * s_icv_row, s_icv_t, x_v, HV * V, win_v, s_csv_c, s_csv_w, ch_v, mask_v,
                            live, live, chunk, T, W, BLOCK_T)
         else:
             q_all = tl.load(x_q + steps[:, None] * H * K + ch_qk[None, :], mask=tk_mask, other=0.0).to(tl.float32)
@@ -196,7 +149,8 @@ def _strides(t, dims, default=0):
 @register("mtp_verify", "triton")
 def mtp_verify_triton(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, out, *,
                       conv_weights, conv_states, intermediate_conv, conv_bias, snapshots, rings, scale,
-                      lower_bound, norm_gate, norm_weight, norm_eps):
+                      lower_bound, norm_gate, norm_weight, norm_eps, ring_config=None):
+    """``ring_config = (BLOCK_V, num_warps[, dot precision])`` overrides the ring kernel's pinned tile (sweeps)."""
     N, T, H, K = q.shape
     HV, V = v.shape[-2:]
     if N == 0:
@@ -211,26 +165,29 @@ def mtp_verify_triton(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratc
     ring_k, ring_v, ring_g, ring_beta = rings if rings is not None else (None,) * 4
     norm = norm_weight is not None
     raw_out = torch.empty(out.shape, dtype=torch.float32, device=out.device) if norm else out
-    block_v, num_warps = recurrence_tile(V, K)
-    grid = (triton.cdiv(V, block_v), HV, N)
-    args = (
-        q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, raw_out,
-        w_q, w_k, w_v, bias_q, bias_k, bias_v,
-        *(t if t is not None else dummy for t in (cs_q, cs_k, cs_v, ic_q, ic_k, ic_v)),
-        *(t if t is not None else dummy for t in (snapshots, ring_k, ring_v, ring_g, ring_beta)),
-        state.stride(0),
-        *_strides(cs_q, (0, 1, 2)), *_strides(cs_k, (0, 1, 2)), *_strides(cs_v, (0, 1, 2)),
-        *_strides(ic_q, (0, 1)), *_strides(ic_k, (0, 1)), *_strides(ic_v, (0, 1)),
-        *_strides(snapshots, (0, 1)),
-        *_strides(ring_k, (0,)), *_strides(ring_v, (0,)), *_strides(ring_g, (0,)), *_strides(ring_beta, (0,)),
-        ring_k.shape[2] if ring_k is not None else 0,
-        float(scale), float(lower_bound) if lower_bound is not None else 0.0,
-    )
-    _mtp_verify(grid, args, dict(
-        T=T, H=H, HV=HV, K=K, V=V, W=W, BLOCK_T=STEP_CHUNK, BLOCK_K=triton.next_power_of_2(K),
-        BLOCK_V=block_v, HAS_CONV=has_conv, HAS_CONV_BIAS=conv_bias is not None,
-        SNAPSHOT=snapshots is not None and rings is None, RING=rings is not None, SAFE_GATE=lower_bound is not None),
-        num_warps=num_warps, num_stages=1)
+    windows = (*(t if t is not None else dummy for t in (cs_q, cs_k, cs_v, ic_q, ic_k, ic_v)),)
+    window_strides = (*_strides(cs_q, (0, 1, 2)), *_strides(cs_k, (0, 1, 2)), *_strides(cs_v, (0, 1, 2)),
+                      *_strides(ic_q, (0, 1)), *_strides(ic_k, (0, 1)), *_strides(ic_v, (0, 1)))
+    ring_args = (*_strides(ring_k, (0,)), *_strides(ring_v, (0,)), *_strides(ring_g, (0,)),
+                 *_strides(ring_beta, (0,)), ring_k.shape[2] if ring_k is not None else 0,
+                 float(scale), float(lower_bound) if lower_bound is not None else 0.0)
+    head = (q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, raw_out,
+            w_q, w_k, w_v, bias_q, bias_k, bias_v, *windows)
+    constexprs = dict(T=T, H=H, HV=HV, K=K, V=V, W=W, HAS_CONV=has_conv, HAS_CONV_BIAS=conv_bias is not None,
+                      SAFE_GATE=lower_bound is not None)
+    if rings is not None:  # one read of the state, no snapshots: the closed form (ring_verify.py)
+        from .ring_verify import launch_ring_verify
+        launch_ring_verify(dict(N=N, HV=HV, constexprs=constexprs,
+                                args=(*head, ring_k, ring_v, ring_g, ring_beta, state.stride(0), *window_strides,
+                                      *ring_args)), T=T, V=V, K=K, config=ring_config)
+    else:
+        block_v, num_warps = recurrence_tile(V, K)
+        args = (*head, *(t if t is not None else dummy for t in (snapshots, ring_k, ring_v, ring_g, ring_beta)),
+                state.stride(0), *window_strides, *_strides(snapshots, (0, 1)), *ring_args)
+        _mtp_verify((triton.cdiv(V, block_v), HV, N), args,
+                    dict(constexprs, BLOCK_T=STEP_CHUNK, BLOCK_K=triton.next_power_of_2(K), BLOCK_V=block_v,
+                         SNAPSHOT=snapshots is not None, RING=False),
+                    num_warps=num_warps, num_stages=1)
     if norm:  # padding rows stay zero: their raw output is zero, and so is its norm
         gated_rmsnorm(raw_out, norm_gate, norm_weight, eps=norm_eps, out=out, backend="triton")
     return out
