@@ -200,20 +200,60 @@ def timings(results, quick, commit_only=False):
                 torch.cuda.empty_cache()
 
 
+# (BLOCK_V, num_warps, dot precision) of the ring verify kernel
+RING_SWEEP = [(128, 8, "ieee"), (128, 4, "ieee"), (64, 4, "ieee"), (64, 2, "ieee"), (32, 2, "ieee"), (32, 1, "ieee"),
+              (128, 8, "tf32x3"), (64, 4, "tf32x3")]
+
+
+def ring_sweep(results):
+    from kdakit.ops.mtp_verify import mtp_verify_triton
+    ceiling = results["copy_ceiling_GBps"]
+    for num_spec in (1, 3, 7):
+        T = 1 + num_spec
+        for N in (64, 256):
+            moved = N * STATE_BYTES
+            nl = harness.layers_for(moved)
+            layers = [make_layer(N, T, conv=False, mode="ring", seed=i, slots=N * (T + 1) + 2) for i in range(nl)]
+            ref_out = ref_verify(layers[0], "ring")[0]
+            for cfg in RING_SWEEP:
+                def call(L, cfg=cfg):
+                    return lambda: mtp_verify_triton(
+                        L["q"], L["k"], L["v"], L["a"], L["b"], L["A_log"], L["dt_bias"], L["state"], L["slots"],
+                        L["scratch_idx"], L["out"], conv_weights=None, conv_states=None, intermediate_conv=None,
+                        conv_bias=None, snapshots=None, rings=L["rings"], scale=K ** -0.5, lower_bound=LOWER_BOUND,
+                        norm_gate=None, norm_weight=None, norm_eps=1e-6, ring_config=cfg)
+                try:
+                    call(layers[0])()
+                    err = rel(layers[0]["out"], ref_out)
+                    t = harness.graph_time_us([call(L) for L in layers])
+                    results["rows"].append(harness.row("ring-sweep-bv{}-w{}-{}".format(*cfg), t, moved, ceiling,
+                                                       num_spec=num_spec, N=N, layers=nl, err=round(err, 6)))
+                except Exception as exc:
+                    results["rows"].append({"name": "ring-sweep-bv{}-w{}-{}".format(*cfg), "num_spec": num_spec,
+                                            "N": N, "error": repr(exc)[:200]})
+            del layers
+            torch.cuda.empty_cache()
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--commit-only", action="store_true", help="time the commits (and their verifies) only")
+    parser.add_argument("--ring-sweep", action="store_true", help="only the ring verify's launch configs")
     parser.add_argument("--name", default="mtp_h200")
     args = parser.parse_args()
     results = harness.new_results()
     correctness(results)
-    timings(results, args.quick, args.commit_only)
+    if args.ring_sweep:
+        ring_sweep(results)
+    else:
+        timings(results, args.quick, args.commit_only)
     harness.close_results(results)
     path = harness.save(results, args.name)
     print(f"copy ceiling {results['copy_ceiling_GBps']} GB/s; saved {path}")
     harness.print_table(results["checks"], ["case", "ok", "out_err", "pool_err"])
-    harness.print_table(results["rows"], ["name", "num_spec", "N", "us", "GB/s", "pct_of_copy", "layers", "err"])
+    harness.print_table(results["rows"], ["name", "num_spec", "N", "us", "GB/s", "pct_of_copy", "layers", "err",
+                                          "error"])
     bad = [c["case"] for c in results["checks"] if not c["ok"]]
     print("CHECKS FAILED:" if bad else "all checks ok", bad)
 

@@ -45,7 +45,7 @@ def _recurrent_forward_kernel(
     stride_idx_n, stride_idx_t,
     scale, lower_bound,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, V_TILES: tl.constexpr,
     IS_VARLEN: tl.constexpr, PER_TOKEN_SLOTS: tl.constexpr, HAS_NUM_ACCEPTED: tl.constexpr,
     WRITE_STATE: tl.constexpr, HAS_TOKEN_STATES: tl.constexpr, HAS_FINAL_STATES: tl.constexpr,
     USE_QK_L2NORM: tl.constexpr, GATE_IN_KERNEL: tl.constexpr, SAFE_GATE: tl.constexpr, BETA_MODE: tl.constexpr,
@@ -54,10 +54,7 @@ def _recurrent_forward_kernel(
     i_h = i_hv // (HV // H)
     n64 = i_n.to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
-    offs_v = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
     mask_k = offs_k < K
-    mask_v = offs_v < V
-    mask_s = mask_v[:, None] & mask_k[None, :]
     if IS_VARLEN:
         bos = tl.load(cu_seqlens + i_n).to(tl.int64)
         eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
@@ -74,51 +71,56 @@ def _recurrent_forward_kernel(
         slot = tl.load(slot_indices + n64 * stride_idx_n + i0 * stride_idx_t).to(tl.int64)
     else:
         slot = tl.load(slot_indices + i_n).to(tl.int64)
-    tile = i_hv * stride_s_h + offs_v[:, None] * stride_s_v + offs_k[None, :] * stride_s_k
-    S = tl.load(state + slot * stride_s_slot + tile, mask=(slot >= 0) & mask_s, other=0.0).to(tl.float32)
-
     if GATE_IN_KERNEL:
         A_log_h = tl.load(A_log + i_hv).to(tl.float32)
         bias = tl.load(dt_bias + i_hv * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+    # V_TILES tiles of BLOCK_V rows one after the other: they share the program's setup,
+    # and the second tile's token loads hit the cache.
+    for i_tile in tl.static_range(V_TILES):
+        offs_v = (i_v * V_TILES + i_tile) * BLOCK_V + tl.arange(0, BLOCK_V)
+        mask_v = offs_v < V
+        mask_s = mask_v[:, None] & mask_k[None, :]
+        tile = i_hv * stride_s_h + offs_v[:, None] * stride_s_v + offs_k[None, :] * stride_s_k
+        S = tl.load(state + slot * stride_s_slot + tile, mask=(slot >= 0) & mask_s, other=0.0).to(tl.float32)
 
-    t = bos
-    while t < eos:
-        q_t = tl.load(q + t * stride_q_t + i_h * stride_q_h + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-        k_t = tl.load(k + t * stride_k_t + i_h * stride_k_h + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-        g_t = tl.load(g + t * stride_g_t + i_hv * stride_g_h + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-        b_t = tl.load(beta + t * stride_b_t + i_hv * stride_b_h).to(tl.float32)
-        v_t = tl.load(v + t * stride_v_t + i_hv * stride_v_h + offs_v, mask=mask_v, other=0.0).to(tl.float32)
-        if USE_QK_L2NORM:
-            q_t = l2_normalize(q_t)
-            k_t = l2_normalize(k_t)
-        q_t = q_t * scale
-        if GATE_IN_KERNEL:
-            g_t = kda_log_decay(g_t, bias, A_log_h, lower_bound, SAFE_GATE)
-        if BETA_MODE == 1:
-            b_t = tl.sigmoid(b_t)
-        if BETA_MODE == 2:
-            b_t = tl.sigmoid(b_t) * 2.0
-        S = delta_rule_update(S, k_t, v_t, g_t, b_t)
-        o = tl.sum(S * q_t[None, :], axis=1)
-        tl.store(out + t * stride_o_t + i_hv * stride_o_h + offs_v, o.to(out.dtype.element_ty), mask=mask_v)
-        if HAS_TOKEN_STATES:
-            p_ts = token_states + t * stride_ts_t + i_hv * stride_ts_h
-            tl.store(p_ts + offs_v[:, None] * stride_ts_v + offs_k[None, :] * stride_ts_k,
-                     S.to(token_states.dtype.element_ty), mask=mask_s)
-        if PER_TOKEN_SLOTS:
+        t = bos
+        while t < eos:
+            q_t = tl.load(q + t * stride_q_t + i_h * stride_q_h + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+            k_t = tl.load(k + t * stride_k_t + i_h * stride_k_h + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+            g_t = tl.load(g + t * stride_g_t + i_hv * stride_g_h + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+            b_t = tl.load(beta + t * stride_b_t + i_hv * stride_b_h).to(tl.float32)
+            v_t = tl.load(v + t * stride_v_t + i_hv * stride_v_h + offs_v, mask=mask_v, other=0.0).to(tl.float32)
+            if USE_QK_L2NORM:
+                q_t = l2_normalize(q_t)
+                k_t = l2_normalize(k_t)
+            q_t = q_t * scale
+            if GATE_IN_KERNEL:
+                g_t = kda_log_decay(g_t, bias, A_log_h, lower_bound, SAFE_GATE)
+            if BETA_MODE == 1:
+                b_t = tl.sigmoid(b_t)
+            if BETA_MODE == 2:
+                b_t = tl.sigmoid(b_t) * 2.0
+            S = delta_rule_update(S, k_t, v_t, g_t, b_t)
+            o = tl.sum(S * q_t[None, :], axis=1)
+            tl.store(out + t * stride_o_t + i_hv * stride_o_h + offs_v, o.to(out.dtype.element_ty), mask=mask_v)
+            if HAS_TOKEN_STATES:
+                p_ts = token_states + t * stride_ts_t + i_hv * stride_ts_h
+                tl.store(p_ts + offs_v[:, None] * stride_ts_v + offs_k[None, :] * stride_ts_k,
+                         S.to(token_states.dtype.element_ty), mask=mask_s)
+            if PER_TOKEN_SLOTS:
+                if WRITE_STATE:
+                    slot_t = tl.load(slot_indices + n64 * stride_idx_n + (t - bos) * stride_idx_t).to(tl.int64)
+                    tl.store(state + slot_t * stride_s_slot + tile, S.to(state.dtype.element_ty),
+                             mask=(slot_t >= 0) & mask_s)
+            t += 1
+
+        if not PER_TOKEN_SLOTS:
             if WRITE_STATE:
-                slot_t = tl.load(slot_indices + n64 * stride_idx_n + (t - bos) * stride_idx_t).to(tl.int64)
-                tl.store(state + slot_t * stride_s_slot + tile, S.to(state.dtype.element_ty),
-                         mask=(slot_t >= 0) & mask_s)
-        t += 1
-
-    if not PER_TOKEN_SLOTS:
-        if WRITE_STATE:
-            tl.store(state + slot * stride_s_slot + tile, S.to(state.dtype.element_ty), mask=(slot >= 0) & mask_s)
-    if HAS_FINAL_STATES:
-        p_fs = final_states + n64 * stride_fs_n + i_hv * stride_fs_h
-        tl.store(p_fs + offs_v[:, None] * stride_fs_v + offs_k[None, :] * stride_fs_k,
-                 S.to(final_states.dtype.element_ty), mask=mask_s)
+                tl.store(state + slot * stride_s_slot + tile, S.to(state.dtype.element_ty), mask=(slot >= 0) & mask_s)
+        if HAS_FINAL_STATES:
+            p_fs = final_states + n64 * stride_fs_n + i_hv * stride_fs_h
+            tl.store(p_fs + offs_v[:, None] * stride_fs_v + offs_k[None, :] * stride_fs_k,
+                     S.to(final_states.dtype.element_ty), mask=mask_s)
 
 
 _recurrent_forward = CachedKernel(_recurrent_forward_kernel)
@@ -143,16 +145,17 @@ def recurrent_forward_triton(q, k, v, g, beta, state, slot_indices, out, *, cu_s
                              A_log, dt_bias, lower_bound, beta_mode, num_accepted_tokens, token_states,
                              write_final_state, final_states, config=None):
     """``state``, ``token_states``, ``final_states`` are V-major views of any strides
-    (``[.., HV, V, K]``); ``config = (BLOCK_V, num_warps)`` overrides the pinned choice."""
+    (``[.., HV, V, K]``); ``config = (BLOCK_V, num_warps[, V_TILES])`` overrides the pinned choice."""
     _, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = cu_seqlens.numel() - 1 if cu_seqlens is not None else 1
     if N == 0 or HV == 0:
         return out
-    block_v, num_warps = config or _launch_config(N, HV, V, K, q.shape[1])
+    block_v, num_warps, *tiles = config or _launch_config(N, HV, V, K, q.shape[1])
+    v_tiles = tiles[0] if tiles else 1
     per_token = slot_indices.dim() == 2
     dummy = slot_indices  # never read: its constexpr flag is off
-    grid = (N, HV, triton.cdiv(V, block_v))
+    grid = (N, HV, triton.cdiv(V, block_v * v_tiles))
     _recurrent_forward(
         grid,
         (q, k, v, g, beta, A_log if A_log is not None else q, dt_bias if dt_bias is not None else q, out, state,
@@ -165,7 +168,7 @@ def recurrent_forward_triton(q, k, v, g, beta, state, slot_indices, out, *, cu_s
          *state.stride(), *_strides4(token_states), *_strides4(final_states),
          slot_indices.stride(0), slot_indices.stride(1) if per_token else 0,
          float(scale), float(lower_bound) if lower_bound is not None else 0.0),
-        dict(H=H, HV=HV, K=K, V=V, BLOCK_K=triton.next_power_of_2(K), BLOCK_V=block_v,
+        dict(H=H, HV=HV, K=K, V=V, BLOCK_K=triton.next_power_of_2(K), BLOCK_V=block_v, V_TILES=v_tiles,
              IS_VARLEN=cu_seqlens is not None, PER_TOKEN_SLOTS=per_token,
              HAS_NUM_ACCEPTED=num_accepted_tokens is not None, WRITE_STATE=bool(write_final_state),
              HAS_TOKEN_STATES=token_states is not None, HAS_FINAL_STATES=final_states is not None,
