@@ -194,8 +194,10 @@ def config_call(layer, config, norm):
                                        config=config, **kw)
 
 
-# (BLOCK_V, V_TILES, num_warps) of the split kernel, with the norm (the last program norms).
-SWEEP = [(c, True) for c in ((4, 1, 1), (8, 1, 1), (8, 2, 1), (8, 4, 1), (16, 1, 1), (16, 1, 2), (32, 1, 4))]
+# (BLOCK_V, V_TILES, num_warps[, NUM_STAGES]), with the norm: V split over programs
+# (V_TILES 1), or one program per head streaming its tiles (pipelined with NUM_STAGES).
+SWEEP = [(c, True) for c in ((8, 1, 1), (16, 1, 1), (16, 1, 2), (32, 1, 4), (8, 16, 1), (8, 16, 1, 2),
+                             (8, 16, 1, 3), (16, 8, 1), (16, 8, 2), (32, 4, 4), (32, 4, 4, 2))]
 
 
 def timings(results, quick: bool, sweep: bool = False):
@@ -216,7 +218,7 @@ def timings(results, quick: bool, sweep: bool = False):
                            ("chain conv+decode+norm", lambda l: chain_call(l, True)),
                            ("chain conv+decode", lambda l: chain_call(l, False)),
                            ("packed_decode alone", packed_call)) + tuple(
-                (f"fused{'+norm' if norm else ''}-bv{c[0]}-t{c[1]}-w{c[2]}",
+                (f"fused{'+norm' if norm else ''}-bv{c[0]}-t{c[1]}-w{c[2]}" + (f"-s{c[3]}" if len(c) > 3 else ""),
                  (lambda l, c=c, norm=norm: config_call(l, c, norm)))
                 for c, norm in (SWEEP if sweep else ())):
             try:

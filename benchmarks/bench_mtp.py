@@ -200,37 +200,40 @@ def timings(results, quick, commit_only=False):
                 torch.cuda.empty_cache()
 
 
-# (BLOCK_V, num_warps, dot precision) of the ring verify kernel
-RING_SWEEP = [(128, 8, "ieee"), (128, 4, "ieee"), (64, 4, "ieee"), (64, 2, "ieee"), (32, 2, "ieee"), (32, 1, "ieee"),
-              (128, 8, "tf32x3"), (64, 4, "tf32x3")]
+# (steps prepared together, prefetch the next chunk) of the verify kernel
+SCHEDULES = [(4, False), (1, True), (2, True), (4, True), (8, False)]
 
 
-def ring_sweep(results):
+def schedule_sweep(results):
     from kdakit.ops.mtp_verify import mtp_verify_triton
     ceiling = results["copy_ceiling_GBps"]
-    for num_spec in (1, 3, 7):
+    for num_spec in (3, 7):
         T = 1 + num_spec
-        for N in (64, 256):
-            moved = N * STATE_BYTES
+        for mode, conv in (("snapshot", False), ("snapshot", True), ("ring", False), ("ring", True)):
+            N = 64
+            moved = N * STATE_BYTES * ((1 + T) if mode == "snapshot" else 1)
             nl = harness.layers_for(moved)
-            layers = [make_layer(N, T, conv=False, mode="ring", seed=i, slots=N * (T + 1) + 2) for i in range(nl)]
-            ref_out = ref_verify(layers[0], "ring")[0]
-            for cfg in RING_SWEEP:
-                def call(L, cfg=cfg):
+            layers = [make_layer(N, T, conv=conv, mode=mode, seed=i, slots=N * (T + 1) + 2) for i in range(nl)]
+            ref_out = ref_verify(layers[0], mode)[0]
+            for sched in SCHEDULES:
+                name = f"verify-{mode}{'-conv' if conv else ''}-chunk{sched[0]}{'-prefetch' if sched[1] else ''}"
+
+                def call(L, sched=sched):
                     return lambda: mtp_verify_triton(
                         L["q"], L["k"], L["v"], L["a"], L["b"], L["A_log"], L["dt_bias"], L["state"], L["slots"],
-                        L["scratch_idx"], L["out"], conv_weights=None, conv_states=None, intermediate_conv=None,
-                        conv_bias=None, snapshots=None, rings=L["rings"], scale=K ** -0.5, lower_bound=LOWER_BOUND,
-                        norm_gate=None, norm_weight=None, norm_eps=1e-6, ring_config=cfg)
+                        L["scratch_idx"], L["out"], conv_weights=L.get("conv_weights"),
+                        conv_states=L.get("conv_states"), intermediate_conv=L.get("intermediate_conv"),
+                        conv_bias=None, snapshots=L.get("snapshots"), rings=L.get("rings"), scale=K ** -0.5,
+                        lower_bound=LOWER_BOUND, norm_gate=None, norm_weight=None, norm_eps=1e-6,
+                        step_schedule=sched)
                 try:
                     call(layers[0])()
                     err = rel(layers[0]["out"], ref_out)
                     t = harness.graph_time_us([call(L) for L in layers])
-                    results["rows"].append(harness.row("ring-sweep-bv{}-w{}-{}".format(*cfg), t, moved, ceiling,
-                                                       num_spec=num_spec, N=N, layers=nl, err=round(err, 6)))
+                    results["rows"].append(harness.row(name, t, moved, ceiling, num_spec=num_spec, N=N, layers=nl,
+                                                       err=round(err, 6)))
                 except Exception as exc:
-                    results["rows"].append({"name": "ring-sweep-bv{}-w{}-{}".format(*cfg), "num_spec": num_spec,
-                                            "N": N, "error": repr(exc)[:200]})
+                    results["rows"].append({"name": name, "num_spec": num_spec, "N": N, "error": repr(exc)[:200]})
             del layers
             torch.cuda.empty_cache()
 
@@ -239,13 +242,13 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--commit-only", action="store_true", help="time the commits (and their verifies) only")
-    parser.add_argument("--ring-sweep", action="store_true", help="only the ring verify's launch configs")
+    parser.add_argument("--schedule-sweep", action="store_true", help="only the verify's step schedules")
     parser.add_argument("--name", default="mtp_h200")
     args = parser.parse_args()
     results = harness.new_results()
     correctness(results)
-    if args.ring_sweep:
-        ring_sweep(results)
+    if args.schedule_sweep:
+        schedule_sweep(results)
     else:
         timings(results, args.quick, args.commit_only)
     harness.close_results(results)

@@ -34,6 +34,10 @@ for batch in (1, 80):  # both fused-decode tile configs (tiny batch: whole V per
     slots_b = torch.arange(batch, dtype=torch.int32) % slots - (torch.arange(batch) >= slots).int() * 100
     kdakit.fused_decode(qkv, conv_w, conv_state, aa, bb, A_log, dt_bias, state, slots_b.clamp(min=-1),
                         norm_gate=rnd(batch, HV * V), norm_weight=torch.rand(V), backend="triton")
+from kdakit.ops.fused_decode import fused_decode_triton  # noqa: E402
+fused_decode_triton(qkv, conv_w, conv_state, aa, bb, A_log, dt_bias, state, slots_b.clamp(min=-1),
+                    torch.empty(80, 1, HV, V, dtype=bf), conv_bias=None, scale=0.1, lower_bound=None, norm_gate=None,
+                    norm_weight=None, norm_eps=1e-6, config=(8, 16, 1, 2))  # tiles software-pipelined
 kdakit.causal_conv1d_update(mixed, conv_state, conv_w, idx, backend="triton")
 kdakit.gated_rmsnorm(rnd(N, HV, V), rnd(N, HV, V), torch.rand(V), backend="triton")
 q, k, v = rnd(N, T, H, K), rnd(N, T, H, K), rnd(N, T, HV, V)
@@ -49,6 +53,11 @@ kdakit.mtp_verify(q, k, v, aT, bT, A_log, dt_bias, state, idx, scratch, conv_wei
                   conv_states=conv_states, intermediate_conv=inter, snapshots=snaps, lower_bound=-5.0,
                   norm_gate=rnd(N, T, HV, V), norm_weight=torch.rand(V), backend="triton")
 kdakit.mtp_verify(q, k, v, aT, bT, A_log, dt_bias, state, idx, scratch, rings=rings, backend="triton")
+from kdakit.ops.mtp_verify import mtp_verify_triton  # noqa: E402
+mtp_verify_triton(q, k, v, aT, bT, A_log, dt_bias, state, idx, scratch, torch.empty(N, T, HV, V, dtype=bf),
+                  conv_weights=conv_weights, conv_states=conv_states, intermediate_conv=inter, conv_bias=None,
+                  snapshots=snaps, rings=None, scale=0.1, lower_bound=None, norm_gate=None, norm_weight=None,
+                  norm_eps=1e-6, step_schedule=(1, True))  # the next step's inputs prefetched
 kdakit.mtp_verify(q, k, v, aT, bT, A_log, dt_bias, state, idx, scratch, conv_weights=conv_weights,
                   conv_states=conv_states, intermediate_conv=inter, rings=rings, backend="triton")
 accept = torch.tensor([2, 0], dtype=torch.int32)

@@ -187,14 +187,18 @@ def test_fused_equals_unfused_triton_chain(act_dtype, H, HV, K, V, norm):
     assert_close(out, chain, 1e-6, "out vs unfused")
 
 
-# (BLOCK_V, V_TILES, num_warps): one program per value head, several tiles per program,
-# several programs per value head (the last to arrive shifts the q/k windows and norms).
-CONFIGS = [(32, 1, 1), (8, 2, 1), (4, 4, 2), (4, 1, 1), (2, 3, 1)]
+# (BLOCK_V, V_TILES, num_warps[, NUM_STAGES]) and (H, HV, norm): one program per head
+# streaming several tiles (H == HV only), or V split over several programs per head (the
+# last to arrive shifts the q/k windows and norms).
+SINGLE_CONFIGS = [(32, 1, 1), (8, 2, 1), (4, 4, 2), (4, 4, 1, 2)]
+SPLIT_CONFIGS = [(4, 1, 1), (8, 1, 2), (2, 1, 1)]
+CONFIG_CASES = ([pytest.param(c, 2, 2, norm, id="bv{}-tiles{}-warps{}".format(*c) + f"-H2-norm{int(norm)}")
+                 for c in SINGLE_CONFIGS + SPLIT_CONFIGS for norm in (True, False)]
+                + [pytest.param(c, H, HV, True, id="bv{}-tiles{}-warps{}".format(*c) + f"-gva-H{H}-HV{HV}")
+                   for c in [(32, 1, 1)] + SPLIT_CONFIGS for H, HV in ((1, 4), (2, 4))])
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "bv{}-tiles{}-warps{}".format(*c))
-@pytest.mark.parametrize("H,HV,norm", [(1, 4, True), (2, 2, False), (2, 4, True)],
-                         ids=["gva4-norm", "no-norm", "gva2-norm"])
+@pytest.mark.parametrize("config,H,HV,norm", CONFIG_CASES)
 def test_triton_configs(config, H, HV, norm):
     """Every split of V over programs and tiles computes the same thing, shifts each q/k
     window exactly once, and leaves the arrival counters at zero."""
@@ -209,6 +213,16 @@ def test_triton_configs(config, H, HV, norm):
     assert_close(t["state"][live], ref_state[live], 1e-5)
     assert torch.equal(t["conv_state"][live], ref_conv[live].float())
     assert not arrival_counters(out.device, 5 * H).any(), "arrival counters must be back at zero"
+
+
+def test_triton_split_config_needs_one_tile_per_program():
+    t, kw = make_case(1, 2, 16, 16, norm=True, seed=15)
+    out = torch.full((4, 1, 2, 16), POISON)
+    snap = {n: bits(t[n]).clone() for n in ("state", "conv_state")}
+    with pytest.raises(ValueError, match="V_TILES == 1"):
+        fused_decode_triton(*(t[n] for n in ARGS), out, scale=0.25, lower_bound=None, norm_eps=1e-6,
+                            config=(4, 2, 1), **kw)
+    assert all(torch.equal(bits(t[n]), s) for n, s in snap.items())
 
 
 def test_default_scale_and_out_allocation():

@@ -23,6 +23,29 @@ from .triton_math import (delta_rule_update, gated_rmsnorm_rows, kda_log_decay, 
 
 
 @triton.jit
+def _value_tile(row, win_row, conv_weight, conv_bias, stride_conv_chan, stride_conv_tap, head_state, S_loaded,
+                offs_v, offs_k, mask_k, live, q, k, g, beta, v_chan0,
+                V: tl.constexpr, K: tl.constexpr, W: tl.constexpr, BLOCK_TAPS: tl.constexpr,
+                HAS_CONV_BIAS: tl.constexpr, LOADED: tl.constexpr):
+    """One tile of state rows: the v conv of its channels (window shifted in place: this
+    program owns them), the recurrence, and o. Returns (updated tile, o, its pointers, mask)."""
+    mask_v = offs_v < V
+    v_chan = v_chan0 + offs_v
+    v = short_conv_update(row + v_chan, win_row + v_chan.to(tl.int64) * stride_conv_chan,
+                          conv_weight + v_chan * W, conv_bias + v_chan, stride_conv_tap, mask_v, live,
+                          W, BLOCK_TAPS, HAS_CONV_BIAS)
+    s_ptrs = head_state + offs_v[:, None] * K + offs_k[None, :]
+    mask_s = live & (mask_v[:, None] & mask_k[None, :])
+    if LOADED:
+        S = S_loaded.to(tl.float32)
+    else:
+        S = tl.load(s_ptrs, mask=mask_s, other=0.0).to(tl.float32)
+    S = delta_rule_update(S, k, v, g, beta)
+    o = tl.where(live, tl.sum(S * q[None, :], axis=1), 0.0)
+    return S, o, s_ptrs, mask_s
+
+
+@triton.jit
 def _fused_decode_kernel(
     qkv, conv_weight, conv_bias, conv_state, a, b, A_log, dt_bias, state, slot_indices, norm_gate, norm_weight, out,
     arrivals,
@@ -31,17 +54,20 @@ def _fused_decode_kernel(
     scale, lower_bound, norm_eps,
     H: tl.constexpr, HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, V_TILES: tl.constexpr, PROGRAMS_PER_HEAD: tl.constexpr,
-    BLOCK_V_ROW: tl.constexpr, BLOCK_TAPS: tl.constexpr,
+    NUM_STAGES: tl.constexpr, BLOCK_V_ROW: tl.constexpr, BLOCK_TAPS: tl.constexpr,
     HAS_CONV_BIAS: tl.constexpr, SAFE_GATE: tl.constexpr, HAS_NORM: tl.constexpr,
 ):
-    # One program owns V_TILES tiles of BLOCK_V state rows of one (request, value head), as
-    # in packed decode, so a small batch still has many programs in flight. Each program
-    # computes the q/k conv of its key head itself (reading the old window), and shifts
-    # the windows of its own v channels in place. The shared q/k windows and the output
-    # norm (which needs all of o's row) are left to the LAST program of the key head to
-    # arrive: programs count their arrival on `arrivals[request, key head]` after their
-    # reads of the old window and their stores of o, and the one that sees every other
-    # arrival writes the shifted q/k windows, normalises the rows, and resets the counter.
+    # A program owns V_TILES tiles of BLOCK_V state rows of one (request, value head). The
+    # q/k conv of a key head is needed by every program of its group, and their windows are
+    # shifted in place: the shifted q/k windows may be written only once every program of
+    # the key head has read the old ones. With one program per key head (large batch: it
+    # streams all of V in small tiles) that program does it all. Split over several programs
+    # (small batch: more bytes in flight), each computes the q/k conv itself and counts its
+    # arrival on `arrivals[request, key head]` once its window reads and o stores are done;
+    # the LAST to arrive writes the shifted q/k windows, norms the o rows (which need all of
+    # V) and resets the counter. Its state tile is stored after the arrival, so the ordering
+    # fence waits only for the small o stores.
+    SPLIT: tl.constexpr = GROUP * PROGRAMS_PER_HEAD > 1
     i_v, i_hv, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_hv // GROUP
     offs_k = tl.arange(0, BLOCK_K)
@@ -74,33 +100,35 @@ def _fused_decode_kernel(
     A_log_h = tl.load(A_log + i_hv)
     g = kda_log_decay(a_raw.to(tl.float32), bias.to(tl.float32), A_log_h.to(tl.float32), lower_bound, SAFE_GATE)
     beta = tl.sigmoid(b_raw.to(tl.float32))
+    o_row_ptrs = out + (i_b * HV + i_hv) * V
+    v_chan0 = 2 * H * K + i_hv * V
 
-    for tile in range(V_TILES):
-        offs_v = (i_v * V_TILES + tile) * BLOCK_V + tl.arange(0, BLOCK_V)
-        mask_v = offs_v < V
-        v_chan = 2 * H * K + i_hv * V + offs_v
-        v = short_conv_update(row + v_chan, win_row + v_chan.to(tl.int64) * stride_conv_chan,
-                              conv_weight + v_chan * W, conv_bias + v_chan, stride_conv_tap, mask_v, live,
-                              W, BLOCK_TAPS, HAS_CONV_BIAS)
-        s_ptrs = head_state + offs_v[:, None] * K + offs_k[None, :]
-        mask_s = live & (mask_v[:, None] & mask_k[None, :])
-        if V_TILES == 1:
-            S = S0.to(tl.float32)
-        else:
-            S = tl.load(s_ptrs, mask=mask_s, other=0.0).to(tl.float32)
-        S = delta_rule_update(S, k, v, g, beta)
-        o = tl.where(live, tl.sum(S * q[None, :], axis=1), 0.0)
-        tl.store(s_ptrs, S.to(state.dtype.element_ty), mask=mask_s)
+    if SPLIT:  # V_TILES == 1 (the launcher's rule)
+        S, o, s_ptrs, mask_s = _value_tile(row, win_row, conv_weight, conv_bias, stride_conv_chan, stride_conv_tap,
+                                           head_state, S0, offs_v0, offs_k, mask_k, live, q, k, g, beta, v_chan0,
+                                           V, K, W, BLOCK_TAPS, HAS_CONV_BIAS, True)
         # With the norm this is o before it, rounded to out's dtype as the unfused chain does.
-        tl.store(out + (i_b * HV + i_hv) * V + offs_v, o.to(out.dtype.element_ty), mask=mask_v)
-
-    # Every thread's window reads and o stores precede the arrival (release); the last
-    # program's reads of the other programs' o follow it (acquire).
-    tl.debug_barrier()
-    counter = arrivals + i_b * H + i_h
-    arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-    tl.debug_barrier()
-    if arrived == GROUP * PROGRAMS_PER_HEAD - 1:
+        tl.store(o_row_ptrs + offs_v0, o.to(out.dtype.element_ty), mask=offs_v0 < V)
+        # Every thread's window reads and o stores precede the arrival (release); the last
+        # program's reads of the other programs' o follow it (acquire).
+        tl.debug_barrier()
+        counter = arrivals + i_b * H + i_h
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        tl.debug_barrier()
+        tl.store(s_ptrs, S.to(state.dtype.element_ty), mask=mask_s)
+        is_last = arrived == GROUP * PROGRAMS_PER_HEAD - 1
+    else:
+        for tile in tl.range(0, V_TILES, num_stages=NUM_STAGES):
+            offs_v = tile * BLOCK_V + tl.arange(0, BLOCK_V)
+            S, o, s_ptrs, mask_s = _value_tile(row, win_row, conv_weight, conv_bias, stride_conv_chan,
+                                               stride_conv_tap, head_state, S0 if V_TILES == 1 else None, offs_v,
+                                               offs_k, mask_k, live, q, k, g, beta, v_chan0,
+                                               V, K, W, BLOCK_TAPS, HAS_CONV_BIAS, V_TILES == 1)
+            tl.store(s_ptrs, S.to(state.dtype.element_ty), mask=mask_s)
+            tl.store(o_row_ptrs + offs_v, o.to(out.dtype.element_ty), mask=offs_v < V)
+        tl.debug_barrier()  # the norm below reads o rows that other threads stored
+        is_last = True
+    if is_last:
         shift_window(q_win, q_old, q_x, stride_conv_tap, mask_k, live, W, BLOCK_TAPS)
         shift_window(k_win, k_old, k_x, stride_conv_tap, mask_k, live, W, BLOCK_TAPS)
         if HAS_NORM:
@@ -115,45 +143,50 @@ def _fused_decode_kernel(
                                mask=mask_row, other=0.0)
                 o_row = gated_rmsnorm_rows(o_row, gate.to(tl.float32), w, norm_eps, V)
                 tl.store(o_ptrs, o_row.to(out.dtype.element_ty), mask=mask_row)
-        tl.store(counter, 0)
+        if SPLIT:
+            tl.store(arrivals + i_b * H + i_h, 0)
 
 
 _fused_decode = CachedKernel(_fused_decode_kernel)
 
 
-def _launch_config(batch: int, HV: int, V: int, K: int) -> tuple:
-    """(BLOCK_V, V_TILES, num_warps), pinned from the H200 sweep (benchmarks/results):
-    as packed decode, one warp streams 4 KB tiles of float32 state rows; a tiny batch
-    splits finer so that enough warps are in flight."""
+def _launch_config(batch: int, H: int, HV: int, V: int, K: int) -> tuple:
+    """(BLOCK_V, V_TILES, num_warps[, NUM_STAGES]), pinned from the H200 sweep
+    (benchmarks/results). V_TILES * BLOCK_V >= V with H == HV is one program per head,
+    which streams its tiles; otherwise V is split over programs (then V_TILES must be 1)."""
     rows = max(1, min(triton.next_power_of_2(V), 4096 // (triton.next_power_of_2(K) * 4)))
-    if batch * HV <= 32:
-        return max(1, rows // 2), 1, 1
-    return rows, 2 if V >= 2 * rows else 1, 1
+    if batch * HV <= 64:
+        return 2 * rows, 1, 1
+    if HV != H:
+        return rows, 1, 1
+    return rows, triton.cdiv(V, rows), 1
 
 
 @register("fused_decode", "triton")
 def fused_decode_triton(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, state, slot_indices, out, *,
                         conv_bias, scale, lower_bound, norm_gate, norm_weight, norm_eps, config=None):
-    """``config = (BLOCK_V, V_TILES, num_warps)`` overrides the pinned choice (sweeps)."""
+    """``config = (BLOCK_V, V_TILES, num_warps[, NUM_STAGES])`` overrides the pinned choice (sweeps)."""
     B = qkv.shape[0]
     _, HV, V, K = state.shape
     H = reference.infer_packed_heads(qkv.shape[1], HV, V, K)
     if B == 0:
         return out
     has_norm = norm_weight is not None
-    block_v, v_tiles, num_warps = config or _launch_config(B, HV, V, K)
+    block_v, v_tiles, num_warps, *stages = config or _launch_config(B, H, HV, V, K)
     programs_per_head = triton.cdiv(V, block_v * v_tiles)
+    if programs_per_head * (HV // H) > 1 and v_tiles != 1:
+        raise ValueError(f"fused_decode config {config}: V split over programs needs V_TILES == 1.")
     W = conv_weight.shape[1]
     _fused_decode(
         (programs_per_head, HV, B),
         (qkv, conv_weight, conv_bias if conv_bias is not None else conv_weight, conv_state, a, b, A_log, dt_bias,
          state, slot_indices, norm_gate if has_norm else qkv, norm_weight if has_norm else conv_weight, out,
-         arrival_counters(qkv.device, B * H),
+         arrival_counters(qkv.device, B * H) if programs_per_head * (HV // H) > 1 else slot_indices,
          qkv.stride(0), conv_state.stride(0), conv_state.stride(1), conv_state.stride(2), a.stride(0), b.stride(0),
          state.stride(0), norm_gate.stride(0) if has_norm else 0,
          float(scale), float(lower_bound) if lower_bound is not None else 0.0, float(norm_eps)),
         dict(H=H, HV=HV, GROUP=HV // H, K=K, V=V, W=W, BLOCK_K=triton.next_power_of_2(K), BLOCK_V=block_v,
-             V_TILES=v_tiles, PROGRAMS_PER_HEAD=programs_per_head, BLOCK_V_ROW=triton.next_power_of_2(V),
+             V_TILES=v_tiles, PROGRAMS_PER_HEAD=programs_per_head, NUM_STAGES=stages[0] if stages else 1, BLOCK_V_ROW=triton.next_power_of_2(V),
              BLOCK_TAPS=triton.next_power_of_2(W - 1), HAS_CONV_BIAS=conv_bias is not None,
              SAFE_GATE=lower_bound is not None, HAS_NORM=has_norm),
         num_warps=num_warps, num_stages=1)

@@ -22,6 +22,59 @@ from .triton_math import delta_rule_update, kda_log_decay, l2_normalize
 
 
 @triton.jit
+def _prepare_steps(
+    q, a, b, x_q, x_k, x_v, w_q, w_k, w_v, bias_q, bias_k, bias_v, win_q, win_k, win_v, ic_q, ic_k, ic_v,
+    ring_k, ring_v, ring_g, ring_beta,
+    s_csq_c, s_csq_w, s_csk_c, s_csk_w, s_csv_c, s_csv_w, s_icq_t, s_ick_t, s_icv_t,
+    s_rk_slot, s_rv_slot, s_rg_slot, s_rb_slot, ring_len,
+    slot, n64, i_h, i_hv, ch_qk, ch_v, offs_k, offs_v, mask_k, mask_v, live, writes_head, writes_key_head,
+    bias, A_log_h, lower_bound, chunk,
+    T: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
+    BLOCK_T: tl.constexpr, HAS_CONV: tl.constexpr, HAS_CONV_BIAS: tl.constexpr, RING: tl.constexpr,
+    SAFE_GATE: tl.constexpr,
+):
+    """Steps chunk .. chunk+BLOCK_T-1 at once: post-conv q, k, v, the gate and β (float32
+    [BLOCK_T, ...] tiles), with the windows after each step and the ring entries stored."""
+    steps = chunk + tl.arange(0, BLOCK_T)
+    mask_t = steps < T
+    tk_mask = mask_t[:, None] & mask_k[None, :]
+    tv_mask = mask_t[:, None] & mask_v[None, :]
+    if HAS_CONV:
+        # Post-conv values are stored in the activation dtype by an unfused conv: round alike.
+        q_all = conv_silu_steps(x_q, H * K, win_q, s_csq_c, s_csq_w, w_q, bias_q, ch_qk, mask_k, live, chunk,
+                                T, W, BLOCK_T, HAS_CONV_BIAS).to(q.dtype.element_ty).to(tl.float32)
+        k_all = conv_silu_steps(x_k, H * K, win_k, s_csk_c, s_csk_w, w_k, bias_k, ch_qk, mask_k, live, chunk,
+                                T, W, BLOCK_T, HAS_CONV_BIAS).to(q.dtype.element_ty).to(tl.float32)
+        v_all = conv_silu_steps(x_v, HV * V, win_v, s_csv_c, s_csv_w, w_v, bias_v, ch_v, mask_v, live, chunk,
+                                T, W, BLOCK_T, HAS_CONV_BIAS).to(q.dtype.element_ty).to(tl.float32)
+        store_windows(ic_q, s_icq_t, x_q, H * K, win_q, s_csq_c, s_csq_w, ch_qk, mask_k,
+                      live, writes_key_head, chunk, T, W, BLOCK_T)
+        store_windows(ic_k, s_ick_t, x_k, H * K, win_k, s_csk_c, s_csk_w, ch_qk, mask_k,
+                      live, writes_key_head, chunk, T, W, BLOCK_T)
+        store_windows(ic_v, s_icv_t, x_v, HV * V, win_v, s_csv_c, s_csv_w, ch_v, mask_v,
+                      live, live, chunk, T, W, BLOCK_T)
+    else:
+        q_all = tl.load(x_q + steps[:, None] * H * K + ch_qk[None, :], mask=tk_mask, other=0.0).to(tl.float32)
+        k_all = tl.load(x_k + steps[:, None] * H * K + ch_qk[None, :], mask=tk_mask, other=0.0).to(tl.float32)
+        v_all = tl.load(x_v + steps[:, None] * HV * V + ch_v[None, :], mask=tv_mask, other=0.0).to(tl.float32)
+    tok = n64 * T + steps
+    a_all = tl.load(a + (tok[:, None] * HV + i_hv) * K + offs_k[None, :], mask=tk_mask, other=0.0)
+    g_all = kda_log_decay(a_all.to(tl.float32), bias[None, :], A_log_h, lower_bound, SAFE_GATE)
+    beta_all = tl.sigmoid(tl.load(b + tok * HV + i_hv, mask=mask_t, other=0.0).to(tl.float32))
+    if RING:  # the raw per-step inputs of the commit's replay
+        ring_steps = steps[:, None]
+        tl.store(ring_k + slot * s_rk_slot + (i_h * ring_len + ring_steps) * K + offs_k[None, :],
+                 k_all.to(ring_k.dtype.element_ty), mask=tk_mask & writes_key_head)
+        tl.store(ring_v + slot * s_rv_slot + (i_hv * ring_len + ring_steps) * V + offs_v[None, :],
+                 v_all.to(ring_v.dtype.element_ty), mask=tv_mask & live)
+        tl.store(ring_g + slot * s_rg_slot + (i_hv * ring_len + ring_steps) * K + offs_k[None, :],
+                 g_all.to(ring_g.dtype.element_ty), mask=tk_mask & writes_head)
+        tl.store(ring_beta + slot * s_rb_slot + i_hv * ring_len + steps,
+                 beta_all.to(ring_beta.dtype.element_ty), mask=mask_t & writes_head)
+    return q_all, k_all, v_all, g_all, beta_all
+
+
+@triton.jit
 def _mtp_verify_kernel(
     q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, out,
     w_q, w_k, w_v, bias_q, bias_k, bias_v,
@@ -34,15 +87,16 @@ def _mtp_verify_kernel(
     s_rk_slot, s_rv_slot, s_rg_slot, s_rb_slot, ring_len,
     scale, lower_bound,
     T: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, PREFETCH_NEXT: tl.constexpr,
     HAS_CONV: tl.constexpr, HAS_CONV_BIAS: tl.constexpr, SNAPSHOT: tl.constexpr, RING: tl.constexpr,
     SAFE_GATE: tl.constexpr,
 ):
     # One program: BLOCK_V state rows of one (request, value head), carried in registers
-    # through the T steps. The per-step inputs (conv included) of a chunk of STEP_CHUNK
-    # steps are loaded and prepared at once, so only the recurrence itself is sequential. Data shared by the
-    # programs of a key head (k ring, q/k windows) has one writer: the group's first value
-    # head, V tile 0.
+    # through the T steps. The per-step inputs (conv included) of a chunk of BLOCK_T steps
+    # are loaded and prepared at once, so only the recurrence itself is sequential; with
+    # PREFETCH_NEXT the next chunk's loads are issued before this chunk's recurrence, so
+    # their latency hides behind it. Data shared by the programs of a key head (k ring,
+    # q/k windows) has one writer: the group's first value head, V tile 0.
     i_v, i_hv, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     G: tl.constexpr = HV // H
     i_h = i_hv // G
@@ -67,49 +121,32 @@ def _mtp_verify_kernel(
     ch_v = i_hv * V + offs_v
     bias = tl.load(dt_bias + i_hv * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
     A_log_h = tl.load(A_log + i_hv).to(tl.float32)
-    if HAS_CONV:
-        win_q = cs_q + slot * s_csq_slot
-        win_k = cs_k + slot * s_csk_slot
-        win_v = cs_v + slot * s_csv_slot
+    win_q = cs_q + slot * s_csq_slot
+    win_k = cs_k + slot * s_csk_slot
+    win_v = cs_v + slot * s_csv_slot
+    ic_q_row = ic_q + row * s_icq_row
+    ic_k_row = ic_k + row * s_ick_row
+    ic_v_row = ic_v + row * s_icv_row
 
+    q_nxt, k_nxt, v_nxt, g_nxt, beta_nxt = _prepare_steps(
+        q, a, b, x_q, x_k, x_v, w_q, w_k, w_v, bias_q, bias_k, bias_v, win_q, win_k, win_v,
+        ic_q_row, ic_k_row, ic_v_row, ring_k, ring_v, ring_g, ring_beta,
+        s_csq_c, s_csq_w, s_csk_c, s_csk_w, s_csv_c, s_csv_w, s_icq_t, s_ick_t, s_icv_t,
+        s_rk_slot, s_rv_slot, s_rg_slot, s_rb_slot, ring_len,
+        slot, n64, i_h, i_hv, ch_qk, ch_v, offs_k, offs_v, mask_k, mask_v, live, writes_head, writes_key_head,
+        bias, A_log_h, lower_bound, 0, T, H, HV, K, V, W, BLOCK_T, HAS_CONV, HAS_CONV_BIAS, RING, SAFE_GATE)
     for chunk in tl.static_range(0, T, BLOCK_T):
-        steps = chunk + tl.arange(0, BLOCK_T)
-        mask_t = steps < T
-        tk_mask = mask_t[:, None] & mask_k[None, :]
-        tv_mask = mask_t[:, None] & mask_v[None, :]
-        if HAS_CONV:
-            # Post-conv values are stored in the activation dtype by an unfused conv: round alike.
-            q_all = conv_silu_steps(x_q, H * K, win_q, s_csq_c, s_csq_w, w_q, bias_q, ch_qk, mask_k, live, chunk,
-                                     T, W, BLOCK_T, HAS_CONV_BIAS).to(q.dtype.element_ty).to(tl.float32)
-            k_all = conv_silu_steps(x_k, H * K, win_k, s_csk_c, s_csk_w, w_k, bias_k, ch_qk, mask_k, live, chunk,
-                                     T, W, BLOCK_T, HAS_CONV_BIAS).to(q.dtype.element_ty).to(tl.float32)
-            v_all = conv_silu_steps(x_v, HV * V, win_v, s_csv_c, s_csv_w, w_v, bias_v, ch_v, mask_v, live, chunk,
-                                     T, W, BLOCK_T, HAS_CONV_BIAS).to(q.dtype.element_ty).to(tl.float32)
-            store_windows(ic_q + row * s_icq_row, s_icq_t, x_q, H * K, win_q, s_csq_c, s_csq_w, ch_qk, mask_k,
-                           live, writes_key_head, chunk, T, W, BLOCK_T)
-            store_windows(ic_k + row * s_ick_row, s_ick_t, x_k, H * K, win_k, s_csk_c, s_csk_w, ch_qk, mask_k,
-                           live, writes_key_head, chunk, T, W, BLOCK_T)
-            store_windows(ic_v + row * s_icv_row, s_icv_t, x_v, HV * V, win_v, s_csv_c, s_csv_w, ch_v, mask_v,
-                           live, live, chunk, T, W, BLOCK_T)
-        else:
-            q_all = tl.load(x_q + steps[:, None] * H * K + ch_qk[None, :], mask=tk_mask, other=0.0).to(tl.float32)
-            k_all = tl.load(x_k + steps[:, None] * H * K + ch_qk[None, :], mask=tk_mask, other=0.0).to(tl.float32)
-            v_all = tl.load(x_v + steps[:, None] * HV * V + ch_v[None, :], mask=tv_mask, other=0.0).to(tl.float32)
-        tok = n64 * T + steps
-        a_all = tl.load(a + (tok[:, None] * HV + i_hv) * K + offs_k[None, :], mask=tk_mask, other=0.0)
-        g_all = kda_log_decay(a_all.to(tl.float32), bias[None, :], A_log_h, lower_bound, SAFE_GATE)
-        beta_all = tl.sigmoid(tl.load(b + tok * HV + i_hv, mask=mask_t, other=0.0).to(tl.float32))
-        if RING:  # the raw per-step inputs of the commit's replay
-            ring_steps = steps[:, None]
-            tl.store(ring_k + slot * s_rk_slot + (i_h * ring_len + ring_steps) * K + offs_k[None, :],
-                     k_all.to(ring_k.dtype.element_ty), mask=tk_mask & writes_key_head)
-            tl.store(ring_v + slot * s_rv_slot + (i_hv * ring_len + ring_steps) * V + offs_v[None, :],
-                     v_all.to(ring_v.dtype.element_ty), mask=tv_mask & live)
-            tl.store(ring_g + slot * s_rg_slot + (i_hv * ring_len + ring_steps) * K + offs_k[None, :],
-                     g_all.to(ring_g.dtype.element_ty), mask=tk_mask & writes_head)
-            tl.store(ring_beta + slot * s_rb_slot + i_hv * ring_len + steps,
-                     beta_all.to(ring_beta.dtype.element_ty), mask=mask_t & writes_head)
-
+        q_all, k_all, v_all, g_all, beta_all = q_nxt, k_nxt, v_nxt, g_nxt, beta_nxt
+        if chunk + BLOCK_T < T:
+            if PREFETCH_NEXT:
+                q_nxt, k_nxt, v_nxt, g_nxt, beta_nxt = _prepare_steps(
+                    q, a, b, x_q, x_k, x_v, w_q, w_k, w_v, bias_q, bias_k, bias_v, win_q, win_k, win_v,
+                    ic_q_row, ic_k_row, ic_v_row, ring_k, ring_v, ring_g, ring_beta,
+                    s_csq_c, s_csq_w, s_csk_c, s_csk_w, s_csv_c, s_csv_w, s_icq_t, s_ick_t, s_icv_t,
+                    s_rk_slot, s_rv_slot, s_rg_slot, s_rb_slot, ring_len,
+                    slot, n64, i_h, i_hv, ch_qk, ch_v, offs_k, offs_v, mask_k, mask_v, live, writes_head,
+                    writes_key_head, bias, A_log_h, lower_bound, chunk + BLOCK_T,
+                    T, H, HV, K, V, W, BLOCK_T, HAS_CONV, HAS_CONV_BIAS, RING, SAFE_GATE)
         for j in tl.static_range(BLOCK_T):
             if chunk + j < T:
                 q_hat = l2_normalize(row_of(q_all, j, BLOCK_T)) * scale
@@ -123,15 +160,25 @@ def _mtp_verify_kernel(
                     snap = snapshots + row * s_snap_row + (chunk + j) * s_snap_t + i_hv * V * K
                     tl.store(snap + offs_v[:, None] * K + offs_k[None, :], S.to(snapshots.dtype.element_ty),
                              mask=mask_s)
+        if chunk + BLOCK_T < T:
+            if not PREFETCH_NEXT:
+                q_nxt, k_nxt, v_nxt, g_nxt, beta_nxt = _prepare_steps(
+                    q, a, b, x_q, x_k, x_v, w_q, w_k, w_v, bias_q, bias_k, bias_v, win_q, win_k, win_v,
+                    ic_q_row, ic_k_row, ic_v_row, ring_k, ring_v, ring_g, ring_beta,
+                    s_csq_c, s_csq_w, s_csk_c, s_csk_w, s_csv_c, s_csv_w, s_icq_t, s_ick_t, s_icv_t,
+                    s_rk_slot, s_rv_slot, s_rg_slot, s_rb_slot, ring_len,
+                    slot, n64, i_h, i_hv, ch_qk, ch_v, offs_k, offs_v, mask_k, mask_v, live, writes_head,
+                    writes_key_head, bias, A_log_h, lower_bound, chunk + BLOCK_T,
+                    T, H, HV, K, V, W, BLOCK_T, HAS_CONV, HAS_CONV_BIAS, RING, SAFE_GATE)
 
 
 _mtp_verify = CachedKernel(_mtp_verify_kernel)
 
 
-# Steps whose inputs are prepared together: enough to overlap their loads, few enough that
-# the [STEP_CHUNK, K] tiles stay in registers (all steps of a long chain at once spilled:
-# 1.4x slower at 8 steps with the conv on the H200).
-STEP_CHUNK = 4
+# (steps whose inputs are prepared together, prefetch the next chunk): enough steps to
+# overlap their loads, few enough that the [chunk, K] tiles stay in registers (all steps
+# of a long chain at once spilled: 1.4x slower at 8 steps with the conv on the H200).
+STEP_SCHEDULE = (4, False)
 
 
 def recurrence_tile(V: int, K: int) -> tuple[int, int]:
@@ -149,8 +196,8 @@ def _strides(t, dims, default=0):
 @register("mtp_verify", "triton")
 def mtp_verify_triton(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, out, *,
                       conv_weights, conv_states, intermediate_conv, conv_bias, snapshots, rings, scale,
-                      lower_bound, norm_gate, norm_weight, norm_eps, ring_config=None):
-    """``ring_config = (BLOCK_V, num_warps[, dot precision])`` overrides the ring kernel's pinned tile (sweeps)."""
+                      lower_bound, norm_gate, norm_weight, norm_eps, step_schedule=None):
+    """``step_schedule = (steps per chunk, prefetch next chunk)`` overrides ``STEP_SCHEDULE`` (sweeps)."""
     N, T, H, K = q.shape
     HV, V = v.shape[-2:]
     if N == 0:
@@ -175,19 +222,14 @@ def mtp_verify_triton(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratc
             w_q, w_k, w_v, bias_q, bias_k, bias_v, *windows)
     constexprs = dict(T=T, H=H, HV=HV, K=K, V=V, W=W, HAS_CONV=has_conv, HAS_CONV_BIAS=conv_bias is not None,
                       SAFE_GATE=lower_bound is not None)
-    if rings is not None:  # one read of the state, no snapshots: the closed form (ring_verify.py)
-        from .ring_verify import launch_ring_verify
-        launch_ring_verify(dict(N=N, HV=HV, constexprs=constexprs,
-                                args=(*head, ring_k, ring_v, ring_g, ring_beta, state.stride(0), *window_strides,
-                                      *ring_args)), T=T, V=V, K=K, config=ring_config)
-    else:
-        block_v, num_warps = recurrence_tile(V, K)
-        args = (*head, *(t if t is not None else dummy for t in (snapshots, ring_k, ring_v, ring_g, ring_beta)),
-                state.stride(0), *window_strides, *_strides(snapshots, (0, 1)), *ring_args)
-        _mtp_verify((triton.cdiv(V, block_v), HV, N), args,
-                    dict(constexprs, BLOCK_T=STEP_CHUNK, BLOCK_K=triton.next_power_of_2(K), BLOCK_V=block_v,
-                         SNAPSHOT=snapshots is not None, RING=False),
-                    num_warps=num_warps, num_stages=1)
+    block_v, num_warps = recurrence_tile(V, K)
+    chunk, prefetch = step_schedule or STEP_SCHEDULE
+    args = (*head, *(t if t is not None else dummy for t in (snapshots, ring_k, ring_v, ring_g, ring_beta)),
+            state.stride(0), *window_strides, *_strides(snapshots, (0, 1)), *ring_args)
+    _mtp_verify((triton.cdiv(V, block_v), HV, N), args,
+                dict(constexprs, BLOCK_T=chunk, PREFETCH_NEXT=prefetch, BLOCK_K=triton.next_power_of_2(K), BLOCK_V=block_v,
+                     SNAPSHOT=snapshots is not None and rings is None, RING=rings is not None),
+                num_warps=num_warps, num_stages=1)
     if norm:  # padding rows stay zero: their raw output is zero, and so is its norm
         gated_rmsnorm(raw_out, norm_gate, norm_weight, eps=norm_eps, out=out, backend="triton")
     return out
