@@ -194,10 +194,9 @@ def config_call(layer, config, norm):
                                        config=config, **kw)
 
 
-# (BLOCK_V, V_TILES, num_warps[, NUM_STAGES]), with the norm: V split over programs
-# (V_TILES 1), or one program per head streaming its tiles (pipelined with NUM_STAGES).
-SWEEP = [(c, True) for c in ((8, 1, 1), (16, 1, 1), (16, 1, 2), (32, 1, 4), (8, 16, 1), (8, 16, 1, 2),
-                             (8, 16, 1, 3), (16, 8, 1), (16, 8, 2), (32, 4, 4), (32, 4, 4, 2))]
+# (BLOCK_V, V_TILES, num_warps[, PREFETCH_NEXT]), with the norm: V split over programs
+# (V_TILES 1), or one program per head streaming its tiles (the next one prefetched).
+SWEEP = [(c, True) for c in ((16, 1, 1), (8, 16, 1, 0), (8, 16, 1, 1), (16, 8, 1, 1), (4, 32, 1, 1))]
 
 
 def timings(results, quick: bool, sweep: bool = False):
@@ -218,7 +217,7 @@ def timings(results, quick: bool, sweep: bool = False):
                            ("chain conv+decode+norm", lambda l: chain_call(l, True)),
                            ("chain conv+decode", lambda l: chain_call(l, False)),
                            ("packed_decode alone", packed_call)) + tuple(
-                (f"fused{'+norm' if norm else ''}-bv{c[0]}-t{c[1]}-w{c[2]}" + (f"-s{c[3]}" if len(c) > 3 else ""),
+                (f"fused{'+norm' if norm else ''}-bv{c[0]}-t{c[1]}-w{c[2]}" + (f"-prefetch{c[3]}" if len(c) > 3 else ""),
                  (lambda l, c=c, norm=norm: config_call(l, c, norm)))
                 for c, norm in (SWEEP if sweep else ())):
             try:

@@ -225,7 +225,7 @@ def schedule_sweep(results):
                         conv_states=L.get("conv_states"), intermediate_conv=L.get("intermediate_conv"),
                         conv_bias=None, snapshots=L.get("snapshots"), rings=L.get("rings"), scale=K ** -0.5,
                         lower_bound=LOWER_BOUND, norm_gate=None, norm_weight=None, norm_eps=1e-6,
-                        step_schedule=sched)
+                        schedule=sched)
                 try:
                     call(layers[0])()
                     err = rel(layers[0]["out"], ref_out)

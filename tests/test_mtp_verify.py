@@ -80,7 +80,7 @@ CASES = [  # (mode, conv, norm, lower_bound, act, K, V, T)
     pytest.param("ring", True, True, -2.0, torch.bfloat16, 16, 16, 3, id="ring-conv-norm-bf16"),
     pytest.param("snapshot", False, True, None, torch.float32, 24, 16, 3, id="snapshot-noconv-norm-defaultgate-f32"),
     pytest.param("ring", False, False, None, torch.float32, 16, 32, 3, id="ring-noconv-f32-K16-V32"),
-    # more steps than one chunk of prepared steps (mtp_verify.STEP_SCHEDULE)
+    # more steps than one chunk of prepared steps (mtp_verify.step_schedule)
     pytest.param("ring", False, False, -1.0, torch.float32, 16, 16, 6, id="ring-noconv-f32-6-steps"),
     pytest.param("ring", True, False, None, torch.float32, 16, 40, 8, id="ring-conv-defaultgate-f32-V40-8-steps"),
     pytest.param("snapshot", True, False, None, torch.float32, 24, 16, 8, id="snapshot-conv-f32-8-steps"),
@@ -222,7 +222,7 @@ def test_step_schedules_agree_and_ring_commit_is_bitwise(schedule):
                           p["slot_indices"], p["scratch_indices"], out, conv_weights=p["conv_weights"],
                           conv_states=p["conv_states"], intermediate_conv=bufs["intermediate_conv"], conv_bias=None,
                           snapshots=bufs.get("snapshots"), rings=bufs.get("rings"), scale=16 ** -0.5,
-                          lower_bound=-3.0, norm_gate=None, norm_weight=None, norm_eps=1e-6, step_schedule=schedule)
+                          lower_bound=-3.0, norm_gate=None, norm_weight=None, norm_eps=1e-6, schedule=schedule)
         results[mode] = (out, bufs)
     ref_out = call_verify(p, fresh_buffers(d, mode="snapshot", snap_dtype=F64), conv=True, lower_bound=-3.0,
                           f64=True)

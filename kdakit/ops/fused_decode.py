@@ -54,7 +54,7 @@ def _fused_decode_kernel(
     scale, lower_bound, norm_eps,
     H: tl.constexpr, HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, V_TILES: tl.constexpr, PROGRAMS_PER_HEAD: tl.constexpr,
-    NUM_STAGES: tl.constexpr, BLOCK_V_ROW: tl.constexpr, BLOCK_TAPS: tl.constexpr,
+    PREFETCH_NEXT: tl.constexpr, BLOCK_V_ROW: tl.constexpr, BLOCK_TAPS: tl.constexpr,
     HAS_CONV_BIAS: tl.constexpr, SAFE_GATE: tl.constexpr, HAS_NORM: tl.constexpr,
 ):
     # A program owns V_TILES tiles of BLOCK_V state rows of one (request, value head). The
@@ -78,7 +78,7 @@ def _fused_decode_kernel(
     # 64-bit offsets: slot * stride passes 2**31 in real pools.
     win_row = conv_state + slot * stride_conv_slot
     head_state = state + slot * stride_state_slot + i_hv * V * K
-    if V_TILES == 1:
+    if V_TILES == 1 and not PREFETCH_NEXT:
         # Issue the state load before the conv, so its HBM latency overlaps the conv's loads.
         offs_v0 = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
         S0 = tl.load(head_state + offs_v0[:, None] * K + offs_k[None, :],
@@ -118,12 +118,22 @@ def _fused_decode_kernel(
         tl.store(s_ptrs, S.to(state.dtype.element_ty), mask=mask_s)
         is_last = arrived == GROUP * PROGRAMS_PER_HEAD - 1
     else:
-        for tile in tl.range(0, V_TILES, num_stages=NUM_STAGES):
+        if PREFETCH_NEXT:  # the next tile's state load is in flight while this tile computes
+            S_next = tl.load(head_state + tl.arange(0, BLOCK_V)[:, None] * K + offs_k[None, :],
+                             mask=live & ((tl.arange(0, BLOCK_V) < V)[:, None] & mask_k[None, :]), other=0.0)
+        for tile in range(V_TILES):
             offs_v = tile * BLOCK_V + tl.arange(0, BLOCK_V)
+            if PREFETCH_NEXT:
+                S_cur = S_next
+                offs_n = offs_v + BLOCK_V
+                S_next = tl.load(head_state + offs_n[:, None] * K + offs_k[None, :],
+                                 mask=live & ((offs_n < V)[:, None] & mask_k[None, :]), other=0.0)
+            else:
+                S_cur = S0 if V_TILES == 1 else None
             S, o, s_ptrs, mask_s = _value_tile(row, win_row, conv_weight, conv_bias, stride_conv_chan,
-                                               stride_conv_tap, head_state, S0 if V_TILES == 1 else None, offs_v,
-                                               offs_k, mask_k, live, q, k, g, beta, v_chan0,
-                                               V, K, W, BLOCK_TAPS, HAS_CONV_BIAS, V_TILES == 1)
+                                               stride_conv_tap, head_state, S_cur, offs_v, offs_k, mask_k, live,
+                                               q, k, g, beta, v_chan0, V, K, W, BLOCK_TAPS, HAS_CONV_BIAS,
+                                               PREFETCH_NEXT or V_TILES == 1)
             tl.store(s_ptrs, S.to(state.dtype.element_ty), mask=mask_s)
             tl.store(o_row_ptrs + offs_v, o.to(out.dtype.element_ty), mask=offs_v < V)
         tl.debug_barrier()  # the norm below reads o rows that other threads stored
@@ -151,7 +161,7 @@ _fused_decode = CachedKernel(_fused_decode_kernel)
 
 
 def _launch_config(batch: int, H: int, HV: int, V: int, K: int) -> tuple:
-    """(BLOCK_V, V_TILES, num_warps[, NUM_STAGES]), pinned from the H200 sweep
+    """(BLOCK_V, V_TILES, num_warps[, PREFETCH_NEXT]), pinned from the H200 sweep
     (benchmarks/results). V_TILES * BLOCK_V >= V with H == HV is one program per head,
     which streams its tiles; otherwise V is split over programs (then V_TILES must be 1)."""
     rows = max(1, min(triton.next_power_of_2(V), 4096 // (triton.next_power_of_2(K) * 4)))
@@ -165,28 +175,29 @@ def _launch_config(batch: int, H: int, HV: int, V: int, K: int) -> tuple:
 @register("fused_decode", "triton")
 def fused_decode_triton(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, state, slot_indices, out, *,
                         conv_bias, scale, lower_bound, norm_gate, norm_weight, norm_eps, config=None):
-    """``config = (BLOCK_V, V_TILES, num_warps[, NUM_STAGES])`` overrides the pinned choice (sweeps)."""
+    """``config = (BLOCK_V, V_TILES, num_warps[, PREFETCH_NEXT])`` overrides the pinned choice (sweeps)."""
     B = qkv.shape[0]
     _, HV, V, K = state.shape
     H = reference.infer_packed_heads(qkv.shape[1], HV, V, K)
     if B == 0:
         return out
     has_norm = norm_weight is not None
-    block_v, v_tiles, num_warps, *stages = config or _launch_config(B, H, HV, V, K)
+    block_v, v_tiles, num_warps, *prefetch = config or _launch_config(B, H, HV, V, K)
     programs_per_head = triton.cdiv(V, block_v * v_tiles)
-    if programs_per_head * (HV // H) > 1 and v_tiles != 1:
+    split = programs_per_head * (HV // H) > 1
+    if split and v_tiles != 1:
         raise ValueError(f"fused_decode config {config}: V split over programs needs V_TILES == 1.")
     W = conv_weight.shape[1]
     _fused_decode(
         (programs_per_head, HV, B),
         (qkv, conv_weight, conv_bias if conv_bias is not None else conv_weight, conv_state, a, b, A_log, dt_bias,
          state, slot_indices, norm_gate if has_norm else qkv, norm_weight if has_norm else conv_weight, out,
-         arrival_counters(qkv.device, B * H) if programs_per_head * (HV // H) > 1 else slot_indices,
+         arrival_counters(qkv.device, B * H) if split else slot_indices,
          qkv.stride(0), conv_state.stride(0), conv_state.stride(1), conv_state.stride(2), a.stride(0), b.stride(0),
          state.stride(0), norm_gate.stride(0) if has_norm else 0,
          float(scale), float(lower_bound) if lower_bound is not None else 0.0, float(norm_eps)),
         dict(H=H, HV=HV, GROUP=HV // H, K=K, V=V, W=W, BLOCK_K=triton.next_power_of_2(K), BLOCK_V=block_v,
-             V_TILES=v_tiles, PROGRAMS_PER_HEAD=programs_per_head, NUM_STAGES=stages[0] if stages else 1, BLOCK_V_ROW=triton.next_power_of_2(V),
+             V_TILES=v_tiles, PROGRAMS_PER_HEAD=programs_per_head, PREFETCH_NEXT=bool(prefetch[0]) if prefetch and not split else False, BLOCK_V_ROW=triton.next_power_of_2(V),
              BLOCK_TAPS=triton.next_power_of_2(W - 1), HAS_CONV_BIAS=conv_bias is not None,
              SAFE_GATE=lower_bound is not None, HAS_NORM=has_norm),
         num_warps=num_warps, num_stages=1)

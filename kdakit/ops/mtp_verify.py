@@ -175,10 +175,15 @@ def _mtp_verify_kernel(
 _mtp_verify = CachedKernel(_mtp_verify_kernel)
 
 
-# (steps whose inputs are prepared together, prefetch the next chunk): enough steps to
-# overlap their loads, few enough that the [chunk, K] tiles stay in registers (all steps
-# of a long chain at once spilled: 1.4x slower at 8 steps with the conv on the H200).
-STEP_SCHEDULE = (4, False)
+def step_schedule(T: int, has_conv: bool) -> tuple[int, bool]:
+    """(steps whose inputs are prepared together, prefetch the next chunk), pinned from the
+    H200 sweep (results/mtp_schedule_sweep_h200.json, N = 64): one step at a time with the
+    next step's loads in flight is fastest without the conv (snapshot verify 88% / 87% of
+    the copy ceiling at 4 / 8 steps, against 80% / 73% for chunks of 4) and with the conv
+    past 4 steps; with the conv up to 4 steps, one chunk of 4 (its q/k conv loads batched)."""
+    if has_conv and T <= 4:
+        return 4, False
+    return 1, True
 
 
 def recurrence_tile(V: int, K: int) -> tuple[int, int]:
@@ -196,8 +201,8 @@ def _strides(t, dims, default=0):
 @register("mtp_verify", "triton")
 def mtp_verify_triton(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, out, *,
                       conv_weights, conv_states, intermediate_conv, conv_bias, snapshots, rings, scale,
-                      lower_bound, norm_gate, norm_weight, norm_eps, step_schedule=None):
-    """``step_schedule = (steps per chunk, prefetch next chunk)`` overrides ``STEP_SCHEDULE`` (sweeps)."""
+                      lower_bound, norm_gate, norm_weight, norm_eps, schedule=None):
+    """``schedule = (steps per chunk, prefetch next chunk)`` overrides ``step_schedule`` (sweeps)."""
     N, T, H, K = q.shape
     HV, V = v.shape[-2:]
     if N == 0:
@@ -223,7 +228,7 @@ def mtp_verify_triton(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratc
     constexprs = dict(T=T, H=H, HV=HV, K=K, V=V, W=W, HAS_CONV=has_conv, HAS_CONV_BIAS=conv_bias is not None,
                       SAFE_GATE=lower_bound is not None)
     block_v, num_warps = recurrence_tile(V, K)
-    chunk, prefetch = step_schedule or STEP_SCHEDULE
+    chunk, prefetch = schedule or step_schedule(T, has_conv)
     args = (*head, *(t if t is not None else dummy for t in (snapshots, ring_k, ring_v, ring_g, ring_beta)),
             state.stride(0), *window_strides, *_strides(snapshots, (0, 1)), *ring_args)
     _mtp_verify((triton.cdiv(V, block_v), HV, N), args,

@@ -127,13 +127,17 @@ _recurrent_forward = CachedKernel(_recurrent_forward_kernel)
 
 
 def _launch_config(N: int, HV: int, V: int, K: int, tokens: int) -> tuple:
-    """(BLOCK_V, num_warps), pinned from the H200 sweep (benchmarks/results), no autotuning
-    in a serving call: one warp a program always; 8 rows of K = 128 float32 (4 KB) for
-    one-token sequences, 16 rows (8 KB: fewer programs repeat each token's q/k/gate work)
-    once sequences carry several tokens."""
-    block_k = triton.next_power_of_2(K)
-    kilobytes = 8 if tokens >= 2 * max(N, 1) else 4
-    return max(1, min(triton.next_power_of_2(V), kilobytes * 1024 // (block_k * 4))), 1
+    """(BLOCK_V, num_warps, V_TILES), pinned from the H200 sweeps (benchmarks/results), no
+    autotuning in a serving call: one warp a program always. Sequences of several tokens:
+    16 rows of K = 128 float32 (8 KB: fewer programs repeat each token's q/k/gate work).
+    One-token sequences: two 2 KB tiles per program up to 2048 (sequence, head) pairs,
+    four 4 KB tiles per program beyond (recurrent_forward_tiles_sweep_h200.json)."""
+    rows = max(1, min(triton.next_power_of_2(V), 4096 // (triton.next_power_of_2(K) * 4)))
+    if tokens >= 2 * max(N, 1):
+        return min(triton.next_power_of_2(V), 2 * rows), 1, 1
+    if N * HV <= 2048:
+        return max(1, rows // 2), 1, 2
+    return rows, 1, 4
 
 
 def _strides4(t):
