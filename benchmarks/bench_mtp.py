@@ -151,9 +151,9 @@ def fla_spec_call(L, T):
         use_beta_sigmoid_in_kernel=True, lower_bound=LOWER_BOUND, out=out)
 
 
-def timings(results, quick, commit_only=False):
+def timings(results, quick, commit_only=False, batches=None):
     ceiling = results["copy_ceiling_GBps"]
-    batches = (8, 64) if quick else (1, 8, 64, 256)
+    batches = batches or ((8, 64) if quick else (1, 8, 64, 256))
     for num_spec in (1, 3, 7):
         T = 1 + num_spec
         for N in batches:
@@ -242,6 +242,8 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--commit-only", action="store_true", help="time the commits (and their verifies) only")
+    parser.add_argument("--batches", type=lambda x: tuple(int(n) for n in x.split(",")), default=None,
+                        help="comma-separated N values (default 1,8,64,256; --quick 8,64)")
     parser.add_argument("--schedule-sweep", action="store_true", help="only the verify's step schedules")
     parser.add_argument("--name", default="mtp_h200")
     args = parser.parse_args()
@@ -250,7 +252,7 @@ def main():
     if args.schedule_sweep:
         schedule_sweep(results)
     else:
-        timings(results, args.quick, args.commit_only)
+        timings(results, args.quick, args.commit_only, args.batches)
     harness.close_results(results)
     path = harness.save(results, args.name)
     print(f"copy ceiling {results['copy_ceiling_GBps']} GB/s; saved {path}")
