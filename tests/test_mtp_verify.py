@@ -207,11 +207,13 @@ def test_speculative_loop_equals_plain_decode_and_ring_equals_snapshot_bitwise(l
         assert torch.equal(committed_conv[slot_list], plain_conv[slot_list]), "committed conv windows"
 
 
+@pytest.mark.parametrize("conv_prologue", [True, False], ids=["conv-prologue-kernel", "conv-fused"])
 @pytest.mark.parametrize("schedule", [(1, True), (2, True), (4, True), (4, False), (8, False)],
                          ids=["chunk1-prefetch", "chunk2-prefetch", "chunk4-prefetch", "chunk4", "chunk8"])
-def test_step_schedules_agree_and_ring_commit_is_bitwise(schedule):
-    """Every step schedule a sweep may pin computes the same outputs, snapshots and rings;
-    a ring commit after it equals the snapshot commit bitwise."""
+def test_step_schedules_agree_and_ring_commit_is_bitwise(schedule, conv_prologue):
+    """Every step schedule a sweep may pin, with the conv as its own kernel or fused,
+    computes the same outputs, snapshots and rings; a ring commit after it equals the
+    snapshot commit bitwise."""
     from kdakit.ops.mtp_verify import mtp_verify_triton
     p, d = make_problem(41, act=torch.bfloat16, conv=True, T=5, K=16, V=16, padding=True)
     results = {}
@@ -222,11 +224,20 @@ def test_step_schedules_agree_and_ring_commit_is_bitwise(schedule):
                           p["slot_indices"], p["scratch_indices"], out, conv_weights=p["conv_weights"],
                           conv_states=p["conv_states"], intermediate_conv=bufs["intermediate_conv"], conv_bias=None,
                           snapshots=bufs.get("snapshots"), rings=bufs.get("rings"), scale=16 ** -0.5,
-                          lower_bound=-3.0, norm_gate=None, norm_weight=None, norm_eps=1e-6, schedule=schedule)
+                          lower_bound=-3.0, norm_gate=None, norm_weight=None, norm_eps=1e-6, schedule=schedule,
+                          conv_prologue=conv_prologue)
         results[mode] = (out, bufs)
     ref_out = call_verify(p, fresh_buffers(d, mode="snapshot", snap_dtype=F64), conv=True, lower_bound=-3.0,
                           f64=True)
     assert_close(results["snapshot"][0], ref_out, 2e-2, "out")
+    ref_windows = fresh_buffers(d, mode="snapshot")["intermediate_conv"]
+    call_verify(p, {"intermediate_conv": ref_windows, "snapshots": None}, conv=True, lower_bound=-3.0,
+                backend="reference")
+    live_rows = p["scratch_indices"][p["slot_indices"] >= 0].long()
+    for got, want in zip(results["ring"][1]["intermediate_conv"], ref_windows):
+        assert torch.equal(got[live_rows], want[live_rows]), "windows after each step"
+        assert torch.equal(got[p["scratch_indices"][1].long()], want[p["scratch_indices"][1].long()]), \
+            "the padding request's scratch row stays untouched"
     assert torch.equal(results["snapshot"][0], results["ring"][0]), "same steps, same numbers"
     for got, want in zip(results["snapshot"][1]["intermediate_conv"], results["ring"][1]["intermediate_conv"]):
         assert torch.equal(got, want)

@@ -161,15 +161,18 @@ _fused_decode = CachedKernel(_fused_decode_kernel)
 
 
 def _launch_config(batch: int, H: int, HV: int, V: int, K: int) -> tuple:
-    """(BLOCK_V, V_TILES, num_warps[, PREFETCH_NEXT]), pinned from the H200 sweep
-    (benchmarks/results). V_TILES * BLOCK_V >= V with H == HV is one program per head,
-    which streams its tiles; otherwise V is split over programs (then V_TILES must be 1)."""
+    """(BLOCK_V, V_TILES, num_warps[, PREFETCH_NEXT]), pinned from the H200 sweeps
+    (benchmarks/results/fused_decode_*sweep_h200.json): up to 64 (request, head) pairs, V
+    split over programs of 8 KB of state rows (N = 1: 7.5 us against 28 us for one program
+    per head); beyond, one one-warp program per head streams 4 KB tiles with the next
+    tile's load in flight (N = 32: 46.0 us against 63.0 us split). GVA always splits
+    (V_TILES must then be 1)."""
     rows = max(1, min(triton.next_power_of_2(V), 4096 // (triton.next_power_of_2(K) * 4)))
     if batch * HV <= 64:
         return 2 * rows, 1, 1
     if HV != H:
         return rows, 1, 1
-    return rows, triton.cdiv(V, rows), 1
+    return rows, triton.cdiv(V, rows), 1, True
 
 
 @register("fused_decode", "triton")

@@ -19,6 +19,7 @@ from .launch import CachedKernel
 from .gated_rmsnorm import gated_rmsnorm
 from .mtp_verify_inputs import conv_silu_steps, row_of, store_windows
 from .triton_math import delta_rule_update, kda_log_decay, l2_normalize
+from .verify_conv import verify_conv
 
 
 @triton.jit
@@ -194,6 +195,11 @@ def recurrence_tile(V: int, K: int) -> tuple[int, int]:
     return max(1, min(triton.next_power_of_2(V), 4096 // (triton.next_power_of_2(K) * 4))), 1
 
 
+# The short conv runs as its own kernel before the recurrence (verify_conv.py) rather
+# than fused into it, where every V tile of a head recomputed the q/k conv.
+CONV_PROLOGUE = True
+
+
 def _strides(t, dims, default=0):
     return [t.stride(d) for d in dims] if t is not None else [default] * len(dims)
 
@@ -201,8 +207,9 @@ def _strides(t, dims, default=0):
 @register("mtp_verify", "triton")
 def mtp_verify_triton(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, out, *,
                       conv_weights, conv_states, intermediate_conv, conv_bias, snapshots, rings, scale,
-                      lower_bound, norm_gate, norm_weight, norm_eps, schedule=None):
-    """``schedule = (steps per chunk, prefetch next chunk)`` overrides ``step_schedule`` (sweeps)."""
+                      lower_bound, norm_gate, norm_weight, norm_eps, schedule=None, conv_prologue=None):
+    """``schedule = (steps per chunk, prefetch next chunk)`` overrides ``step_schedule``;
+    ``conv_prologue`` overrides ``CONV_PROLOGUE`` (sweeps)."""
     N, T, H, K = q.shape
     HV, V = v.shape[-2:]
     if N == 0:
@@ -220,6 +227,10 @@ def mtp_verify_triton(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratc
     windows = (*(t if t is not None else dummy for t in (cs_q, cs_k, cs_v, ic_q, ic_k, ic_v)),)
     window_strides = (*_strides(cs_q, (0, 1, 2)), *_strides(cs_k, (0, 1, 2)), *_strides(cs_v, (0, 1, 2)),
                       *_strides(ic_q, (0, 1)), *_strides(ic_k, (0, 1)), *_strides(ic_v, (0, 1)))
+    if has_conv and (CONV_PROLOGUE if conv_prologue is None else conv_prologue):
+        q, k, v = verify_conv(q, k, v, conv_weights, conv_bias, conv_states, intermediate_conv, slot_indices,
+                              scratch_indices, window_strides)
+        has_conv = False  # the recurrence reads the post-conv tokens
     ring_args = (*_strides(ring_k, (0,)), *_strides(ring_v, (0,)), *_strides(ring_g, (0,)),
                  *_strides(ring_beta, (0,)), ring_k.shape[2] if ring_k is not None else 0,
                  float(scale), float(lower_bound) if lower_bound is not None else 0.0)

@@ -1,0 +1,85 @@
+"""The short conv of a verify, once per channel: a prologue kernel before the recurrence.
+
+Fused into the recurrence kernel, the q/k conv of a key head is recomputed by every
+V-tile program of the head (16 at K = V = 128) and the chain's loads queue behind it;
+run here once per channel, it writes the post-conv q, k, v of every step (rounded to the
+activation dtype, exactly as the fused path and an unfused conv round them) and the
+windows after each step, and the recurrence reads the post-conv tokens like inputs that
+came already convolved.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .launch import CachedKernel
+from .mtp_verify_inputs import conv_silu_steps, store_windows
+
+
+@triton.jit
+def _conv_part(x, window, weight, bias, inter, post, s_win_slot, s_win_c, s_win_w, s_inter_row, s_inter_t,
+               slot, row, live, n64, i_c, C: tl.constexpr, T: tl.constexpr, W: tl.constexpr,
+               BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, HAS_BIAS: tl.constexpr):
+    ch = i_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = ch < C
+    x_n = x + n64 * T * C                      # this request's token 0, channel 0
+    win = window + slot * s_win_slot
+    y = conv_silu_steps(x_n, C, win, s_win_c, s_win_w, weight, bias, ch, mask, live, 0, T, W, BLOCK_T, HAS_BIAS)
+    steps = tl.arange(0, BLOCK_T)
+    tl.store(post + (n64 * T + steps[:, None]) * C + ch[None, :], y.to(post.dtype.element_ty),
+             mask=(steps < T)[:, None] & mask[None, :])
+    store_windows(inter + row * s_inter_row, s_inter_t, x_n, C, win, s_win_c, s_win_w, ch, mask, live, live, 0, T,
+                  W, BLOCK_T)
+
+
+@triton.jit
+def _verify_conv_kernel(
+    x_q, x_k, x_v, w_q, w_k, w_v, bias_q, bias_k, bias_v, cs_q, cs_k, cs_v, ic_q, ic_k, ic_v, post_q, post_k, post_v,
+    slot_indices, scratch_indices,
+    s_csq_slot, s_csq_c, s_csq_w, s_csk_slot, s_csk_c, s_csk_w, s_csv_slot, s_csv_c, s_csv_w,
+    s_icq_row, s_icq_t, s_ick_row, s_ick_t, s_icv_row, s_icv_t,
+    C_QK: tl.constexpr, C_V: tl.constexpr, T: tl.constexpr, W: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, HAS_BIAS: tl.constexpr,
+):
+    # One program: BLOCK_C channels of q, k or v (program_id 2) of one request, all steps.
+    # A padding row (slot < 0) reads no window and writes none; its post-conv tokens are
+    # never used (the recurrence writes zeros for it).
+    i_c, i_n, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    slot = tl.load(slot_indices + i_n).to(tl.int64)
+    row = tl.load(scratch_indices + i_n).to(tl.int64)
+    live = slot >= 0
+    n64 = i_n.to(tl.int64)
+    if part == 0:
+        _conv_part(x_q, cs_q, w_q, bias_q, ic_q, post_q, s_csq_slot, s_csq_c, s_csq_w, s_icq_row, s_icq_t,
+                   slot, row, live, n64, i_c, C_QK, T, W, BLOCK_T, BLOCK_C, HAS_BIAS)
+    elif part == 1:
+        _conv_part(x_k, cs_k, w_k, bias_k, ic_k, post_k, s_csk_slot, s_csk_c, s_csk_w, s_ick_row, s_ick_t,
+                   slot, row, live, n64, i_c, C_QK, T, W, BLOCK_T, BLOCK_C, HAS_BIAS)
+    else:
+        _conv_part(x_v, cs_v, w_v, bias_v, ic_v, post_v, s_csv_slot, s_csv_c, s_csv_w, s_icv_row, s_icv_t,
+                   slot, row, live, n64, i_c, C_V, T, W, BLOCK_T, BLOCK_C, HAS_BIAS)
+
+
+_verify_conv = CachedKernel(_verify_conv_kernel)
+
+BLOCK_C = 128  # channels per program: [steps, 128] tiles, every load 256 contiguous bytes
+
+
+def verify_conv(q, k, v, conv_weights, conv_bias, conv_states, intermediate_conv, slot_indices, scratch_indices,
+                window_strides):
+    """Post-conv ``(q, k, v)`` of every step (new tensors shaped like the inputs); the windows
+    after each step go to ``intermediate_conv``. ``window_strides``: the 15 conv-pool and
+    intermediate-window strides in the verify kernel's order."""
+    N, T, H, K = q.shape
+    HV, V = v.shape[2:]
+    post = tuple(torch.empty_like(t) for t in (q, k, v))
+    bias = conv_bias if conv_bias is not None else conv_weights
+    _verify_conv(
+        (triton.cdiv(max(H * K, HV * V), BLOCK_C), N, 3),
+        (q, k, v, *conv_weights, *bias, *conv_states, *intermediate_conv, *post, slot_indices, scratch_indices,
+         *window_strides),
+        dict(C_QK=H * K, C_V=HV * V, T=T, W=conv_weights[0].shape[1], BLOCK_T=triton.next_power_of_2(T),
+             BLOCK_C=BLOCK_C, HAS_BIAS=conv_bias is not None),
+        num_warps=4, num_stages=1)
+    return post
