@@ -70,16 +70,6 @@ def verify_call(L):
         lower_bound=LOWER_BOUND, norm_gate=L.get("norm_gate"), norm_weight=L.get("norm_weight"), out=L["out"])
 
 
-def fused_conv_call(L):
-    from kdakit.ops.mtp_verify import mtp_verify_triton
-    return lambda: mtp_verify_triton(
-        L["q"], L["k"], L["v"], L["a"], L["b"], L["A_log"], L["dt_bias"], L["state"], L["slots"], L["scratch_idx"],
-        L["out"], conv_weights=L["conv_weights"], conv_states=L["conv_states"],
-        intermediate_conv=L["intermediate_conv"], conv_bias=None, snapshots=L.get("snapshots"), rings=L.get("rings"),
-        scale=K ** -0.5, lower_bound=LOWER_BOUND, norm_gate=None, norm_weight=None, norm_eps=1e-6,
-        conv_prologue=False)
-
-
 def rel(x, y):
     x, y = x.double(), y.double()
     return float((x - y).norm() / y.norm()) if torch.isfinite(x).all() else float("inf")
@@ -179,10 +169,6 @@ def timings(results, quick, commit_only=False, batches=None):
                 t = harness.graph_time_us([verify_call(L) for L in layers])
                 results["rows"].append(harness.row(f"verify-{mode}{'-conv' if conv else ''}", t, moved, ceiling,
                                                    **base, layers=nl))
-                if conv:  # the conv fused into the recurrence instead of its own kernel
-                    t = harness.graph_time_us([fused_conv_call(L) for L in layers])
-                    results["rows"].append(harness.row(f"verify-{mode}-conv-fused", t, moved, ceiling, **base,
-                                                       layers=nl))
                 if mode == "ring" and not conv:
                     for L in layers:
                         verify_call(L)()
@@ -216,59 +202,17 @@ def timings(results, quick, commit_only=False, batches=None):
                 torch.cuda.empty_cache()
 
 
-# (steps prepared together, prefetch the next chunk) of the verify kernel
-SCHEDULES = [(4, False), (1, True), (2, True), (4, True), (8, False)]
-
-
-def schedule_sweep(results):
-    from kdakit.ops.mtp_verify import mtp_verify_triton
-    ceiling = results["copy_ceiling_GBps"]
-    for num_spec in (3, 7):
-        T = 1 + num_spec
-        for mode, conv in (("snapshot", False), ("snapshot", True), ("ring", False), ("ring", True)):
-            N = 64
-            moved = N * STATE_BYTES * ((1 + T) if mode == "snapshot" else 1)
-            nl = harness.layers_for(moved)
-            layers = [make_layer(N, T, conv=conv, mode=mode, seed=i, slots=N * (T + 1) + 2) for i in range(nl)]
-            ref_out = ref_verify(layers[0], mode)[0]
-            for sched in SCHEDULES:
-                name = f"verify-{mode}{'-conv' if conv else ''}-chunk{sched[0]}{'-prefetch' if sched[1] else ''}"
-
-                def call(L, sched=sched):
-                    return lambda: mtp_verify_triton(
-                        L["q"], L["k"], L["v"], L["a"], L["b"], L["A_log"], L["dt_bias"], L["state"], L["slots"],
-                        L["scratch_idx"], L["out"], conv_weights=L.get("conv_weights"),
-                        conv_states=L.get("conv_states"), intermediate_conv=L.get("intermediate_conv"),
-                        conv_bias=None, snapshots=L.get("snapshots"), rings=L.get("rings"), scale=K ** -0.5,
-                        lower_bound=LOWER_BOUND, norm_gate=None, norm_weight=None, norm_eps=1e-6,
-                        schedule=sched)
-                try:
-                    call(layers[0])()
-                    err = rel(layers[0]["out"], ref_out)
-                    t = harness.graph_time_us([call(L) for L in layers])
-                    results["rows"].append(harness.row(name, t, moved, ceiling, num_spec=num_spec, N=N, layers=nl,
-                                                       err=round(err, 6)))
-                except Exception as exc:
-                    results["rows"].append({"name": name, "num_spec": num_spec, "N": N, "error": repr(exc)[:200]})
-            del layers
-            torch.cuda.empty_cache()
-
-
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--commit-only", action="store_true", help="time the commits (and their verifies) only")
     parser.add_argument("--batches", type=lambda x: tuple(int(n) for n in x.split(",")), default=None,
                         help="comma-separated N values (default 1,8,64,256; --quick 8,64)")
-    parser.add_argument("--schedule-sweep", action="store_true", help="only the verify's step schedules")
     parser.add_argument("--name", default="mtp_h200")
     args = parser.parse_args()
     results = harness.new_results()
     correctness(results)
-    if args.schedule_sweep:
-        schedule_sweep(results)
-    else:
-        timings(results, args.quick, args.commit_only, args.batches)
+    timings(results, args.quick, args.commit_only, args.batches)
     harness.close_results(results)
     path = harness.save(results, args.name)
     print(f"copy ceiling {results['copy_ceiling_GBps']} GB/s; saved {path}")

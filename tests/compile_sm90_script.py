@@ -53,11 +53,6 @@ kdakit.mtp_verify(q, k, v, aT, bT, A_log, dt_bias, state, idx, scratch, conv_wei
                   conv_states=conv_states, intermediate_conv=inter, snapshots=snaps, lower_bound=-5.0,
                   norm_gate=rnd(N, T, HV, V), norm_weight=torch.rand(V), backend="triton")
 kdakit.mtp_verify(q, k, v, aT, bT, A_log, dt_bias, state, idx, scratch, rings=rings, backend="triton")
-from kdakit.ops.mtp_verify import mtp_verify_triton  # noqa: E402
-mtp_verify_triton(q, k, v, aT, bT, A_log, dt_bias, state, idx, scratch, torch.empty(N, T, HV, V, dtype=bf),
-                  conv_weights=conv_weights, conv_states=conv_states, intermediate_conv=inter, conv_bias=None,
-                  snapshots=snaps, rings=None, scale=0.1, lower_bound=None, norm_gate=None, norm_weight=None,
-                  norm_eps=1e-6, schedule=(4, True), conv_prologue=False)  # conv fused, next chunk prefetched
 kdakit.mtp_verify(q, k, v, aT, bT, A_log, dt_bias, state, idx, scratch, conv_weights=conv_weights,
                   conv_states=conv_states, intermediate_conv=inter, rings=rings, backend="triton")
 accept = torch.tensor([2, 0], dtype=torch.int32)

@@ -16,8 +16,17 @@ from .. import contracts, reference
 from ..backends import register, select
 from .launch import CachedKernel
 from .mtp_verify import recurrence_tile
-from .mtp_verify_inputs import row_of
 from .triton_math import delta_rule_update, l2_normalize
+
+
+@triton.jit
+def _load_ring_step(p_k, p_v, p_g, p_b, t, live, mask_k, mask_v, K: tl.constexpr, V: tl.constexpr):
+    """Ring position t (float32): raw k, v, log-decay g, β; zeros where not ``live``."""
+    k_t = tl.load(p_k + t * K, mask=mask_k & live, other=0.0).to(tl.float32)
+    v_t = tl.load(p_v + t * V, mask=mask_v & live, other=0.0).to(tl.float32)
+    g_t = tl.load(p_g + t * K, mask=mask_k & live, other=0.0).to(tl.float32)
+    beta_t = tl.load(p_b + t, mask=live, other=0.0).to(tl.float32)
+    return k_t, v_t, g_t, beta_t
 
 
 @triton.jit
@@ -26,7 +35,7 @@ def _commit_ring_kernel(
     s_state_layer, s_state_slot, s_rk_layer, s_rk_slot, s_rv_layer, s_rv_slot, s_rg_layer, s_rg_slot,
     s_rb_layer, s_rb_slot, ring_len, null_block_id,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BLOCK_L: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, USE_QK_L2NORM: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, USE_QK_L2NORM: tl.constexpr,
     TRACK: tl.constexpr,
 ):
     # Same tile shape and the same device functions as the verify kernel, so the
@@ -53,26 +62,21 @@ def _commit_ring_kernel(
         track_mask = mask_s & (track_slot > null_block_id) & (track_slot >= 0)
         track_ptrs = state + layer * s_state_layer + track_slot * s_state_slot + tile
 
-    # Every accepted step's inputs are loaded at once (BLOCK_L covers the ring); only the
-    # fold itself is sequential. (Measured on the H200: faster than chunks of steps up to
-    # L = 4, on par at L = 8.)
-    ring_pos = tl.arange(0, BLOCK_L)
-    in_range = ring_pos < num_steps
-    k_all = tl.load(ring_k + layer * s_rk_layer + slot * s_rk_slot + (i_h * ring_len + ring_pos[:, None]) * K
-                    + offs_k[None, :], mask=in_range[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
-    v_all = tl.load(ring_v + layer * s_rv_layer + slot * s_rv_slot + (i_hv * ring_len + ring_pos[:, None]) * V
-                    + offs_v[None, :], mask=in_range[:, None] & mask_v[None, :], other=0.0).to(tl.float32)
-    g_all = tl.load(ring_g + layer * s_rg_layer + slot * s_rg_slot + (i_hv * ring_len + ring_pos[:, None]) * K
-                    + offs_k[None, :], mask=in_range[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
-    beta_all = tl.load(ring_beta + layer * s_rb_layer + slot * s_rb_slot + i_hv * ring_len + ring_pos,
-                       mask=in_range, other=0.0).to(tl.float32)
+    # Each step's ring rows are loaded while the previous step folds, as 1-D rows exactly as
+    # the verify kernel reads its inputs (the same register layout of k, so its L2 norm
+    # rounds alike and the replayed state equals the verify's snapshot bitwise).
+    p_k = ring_k + layer * s_rk_layer + slot * s_rk_slot + i_h * ring_len * K + offs_k
+    p_v = ring_v + layer * s_rv_layer + slot * s_rv_slot + i_hv * ring_len * V + offs_v
+    p_g = ring_g + layer * s_rg_layer + slot * s_rg_slot + i_hv * ring_len * K + offs_k
+    p_b = ring_beta + layer * s_rb_layer + slot * s_rb_slot + i_hv * ring_len
+    k_n, v_n, g_n, beta_n = _load_ring_step(p_k, p_v, p_g, p_b, 0, num_steps > 0, mask_k, mask_v, K, V)
     t = 0
     while t < num_steps:  # a loaded bound: `while` runs in the interpreter and compiled alike
-        k_t = row_of(k_all, t, BLOCK_L)
+        k_t, v_t, g_t, beta_t = k_n, v_n, g_n, beta_n
+        k_n, v_n, g_n, beta_n = _load_ring_step(p_k, p_v, p_g, p_b, t + 1, t + 1 < num_steps, mask_k, mask_v, K, V)
         if USE_QK_L2NORM:
             k_t = l2_normalize(k_t)
-        beta_t = tl.sum(tl.where(ring_pos == t, beta_all, 0.0), axis=0)
-        S = delta_rule_update(S, k_t, row_of(v_all, t, BLOCK_L), row_of(g_all, t, BLOCK_L), beta_t)
+        S = delta_rule_update(S, k_t, v_t, g_t, beta_t)
         if TRACK:
             tl.store(track_ptrs, S.to(state.dtype.element_ty), mask=track_mask & (t == track_step))
         t += 1
@@ -129,7 +133,7 @@ def commit_ring_triton(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, a
         ring_k.stride(0) if layered else 0, ring_k.stride(1), ring_v.stride(0) if layered else 0, ring_v.stride(1),
         ring_g.stride(0) if layered else 0, ring_g.stride(1), ring_beta.stride(0) if layered else 0,
         ring_beta.stride(1), ring_len, int(null_block_id)),
-        dict(H=H, HV=HV, K=K, V=V, BLOCK_L=triton.next_power_of_2(ring_len), BLOCK_K=triton.next_power_of_2(K),
+        dict(H=H, HV=HV, K=K, V=V, BLOCK_K=triton.next_power_of_2(K),
              BLOCK_V=block_v,
              USE_QK_L2NORM=bool(use_qk_l2norm), TRACK=track), num_warps=num_warps, num_stages=1)
 

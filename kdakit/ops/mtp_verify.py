@@ -17,87 +17,42 @@ from .. import contracts, reference
 from ..backends import register, select
 from .launch import CachedKernel
 from .gated_rmsnorm import gated_rmsnorm
-from .mtp_verify_inputs import conv_silu_steps, row_of, store_windows
 from .triton_math import delta_rule_update, kda_log_decay, l2_normalize
 from .verify_conv import verify_conv
 
 
 @triton.jit
-def _prepare_steps(
-    q, a, b, x_q, x_k, x_v, w_q, w_k, w_v, bias_q, bias_k, bias_v, win_q, win_k, win_v, ic_q, ic_k, ic_v,
-    ring_k, ring_v, ring_g, ring_beta,
-    s_csq_c, s_csq_w, s_csk_c, s_csk_w, s_csv_c, s_csv_w, s_icq_t, s_ick_t, s_icv_t,
-    s_rk_slot, s_rv_slot, s_rg_slot, s_rb_slot, ring_len,
-    slot, n64, i_h, i_hv, ch_qk, ch_v, offs_k, offs_v, mask_k, mask_v, live, writes_head, writes_key_head,
-    bias, A_log_h, lower_bound, chunk,
-    T: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
-    BLOCK_T: tl.constexpr, HAS_CONV: tl.constexpr, HAS_CONV_BIAS: tl.constexpr, RING: tl.constexpr,
-    SAFE_GATE: tl.constexpr,
-):
-    """Steps chunk .. chunk+BLOCK_T-1 at once: post-conv q, k, v, the gate and β (float32
-    [BLOCK_T, ...] tiles), with the windows after each step and the ring entries stored."""
-    steps = chunk + tl.arange(0, BLOCK_T)
-    mask_t = steps < T
-    tk_mask = mask_t[:, None] & mask_k[None, :]
-    tv_mask = mask_t[:, None] & mask_v[None, :]
-    if HAS_CONV:
-        # Post-conv values are stored in the activation dtype by an unfused conv: round alike.
-        q_all = conv_silu_steps(x_q, H * K, win_q, s_csq_c, s_csq_w, w_q, bias_q, ch_qk, mask_k, live, chunk,
-                                T, W, BLOCK_T, HAS_CONV_BIAS).to(q.dtype.element_ty).to(tl.float32)
-        k_all = conv_silu_steps(x_k, H * K, win_k, s_csk_c, s_csk_w, w_k, bias_k, ch_qk, mask_k, live, chunk,
-                                T, W, BLOCK_T, HAS_CONV_BIAS).to(q.dtype.element_ty).to(tl.float32)
-        v_all = conv_silu_steps(x_v, HV * V, win_v, s_csv_c, s_csv_w, w_v, bias_v, ch_v, mask_v, live, chunk,
-                                T, W, BLOCK_T, HAS_CONV_BIAS).to(q.dtype.element_ty).to(tl.float32)
-        store_windows(ic_q, s_icq_t, x_q, H * K, win_q, s_csq_c, s_csq_w, ch_qk, mask_k,
-                      live, writes_key_head, chunk, T, W, BLOCK_T)
-        store_windows(ic_k, s_ick_t, x_k, H * K, win_k, s_csk_c, s_csk_w, ch_qk, mask_k,
-                      live, writes_key_head, chunk, T, W, BLOCK_T)
-        store_windows(ic_v, s_icv_t, x_v, HV * V, win_v, s_csv_c, s_csv_w, ch_v, mask_v,
-                      live, live, chunk, T, W, BLOCK_T)
-    else:
-        q_all = tl.load(x_q + steps[:, None] * H * K + ch_qk[None, :], mask=tk_mask, other=0.0).to(tl.float32)
-        k_all = tl.load(x_k + steps[:, None] * H * K + ch_qk[None, :], mask=tk_mask, other=0.0).to(tl.float32)
-        v_all = tl.load(x_v + steps[:, None] * HV * V + ch_v[None, :], mask=tv_mask, other=0.0).to(tl.float32)
-    tok = n64 * T + steps
-    a_all = tl.load(a + (tok[:, None] * HV + i_hv) * K + offs_k[None, :], mask=tk_mask, other=0.0)
-    g_all = kda_log_decay(a_all.to(tl.float32), bias[None, :], A_log_h, lower_bound, SAFE_GATE)
-    beta_all = tl.sigmoid(tl.load(b + tok * HV + i_hv, mask=mask_t, other=0.0).to(tl.float32))
-    if RING:  # the raw per-step inputs of the commit's replay
-        ring_steps = steps[:, None]
-        tl.store(ring_k + slot * s_rk_slot + (i_h * ring_len + ring_steps) * K + offs_k[None, :],
-                 k_all.to(ring_k.dtype.element_ty), mask=tk_mask & writes_key_head)
-        tl.store(ring_v + slot * s_rv_slot + (i_hv * ring_len + ring_steps) * V + offs_v[None, :],
-                 v_all.to(ring_v.dtype.element_ty), mask=tv_mask & live)
-        tl.store(ring_g + slot * s_rg_slot + (i_hv * ring_len + ring_steps) * K + offs_k[None, :],
-                 g_all.to(ring_g.dtype.element_ty), mask=tk_mask & writes_head)
-        tl.store(ring_beta + slot * s_rb_slot + i_hv * ring_len + steps,
-                 beta_all.to(ring_beta.dtype.element_ty), mask=mask_t & writes_head)
-    return q_all, k_all, v_all, g_all, beta_all
+def _load_step(x_q, x_k, x_v, a, b, t, n64, i_hv, ch_qk, ch_v, offs_k, mask_k, mask_v, bias, A_log_h, lower_bound,
+               T: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+               SAFE_GATE: tl.constexpr):
+    """Step t's post-conv q, k, v, its log-decay g and β, float32. Read as 1-D rows, the way
+    the ring commit reads its rows, so both hold k in the same register layout and its L2
+    norm rounds alike."""
+    tok = n64 * T + t
+    q_t = tl.load(x_q + t * H * K + ch_qk, mask=mask_k, other=0.0).to(tl.float32)
+    k_t = tl.load(x_k + t * H * K + ch_qk, mask=mask_k, other=0.0).to(tl.float32)
+    v_t = tl.load(x_v + t * HV * V + ch_v, mask=mask_v, other=0.0).to(tl.float32)
+    a_t = tl.load(a + (tok * HV + i_hv) * K + offs_k, mask=mask_k, other=0.0)
+    g_t = kda_log_decay(a_t.to(tl.float32), bias, A_log_h, lower_bound, SAFE_GATE)
+    beta_t = tl.sigmoid(tl.load(b + tok * HV + i_hv).to(tl.float32))
+    return q_t, k_t, v_t, g_t, beta_t
 
 
 @triton.jit
 def _mtp_verify_kernel(
     q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, out,
-    w_q, w_k, w_v, bias_q, bias_k, bias_v,
-    cs_q, cs_k, cs_v, ic_q, ic_k, ic_v,
     snapshots, ring_k, ring_v, ring_g, ring_beta,
-    stride_state_slot,
-    s_csq_slot, s_csq_c, s_csq_w, s_csk_slot, s_csk_c, s_csk_w, s_csv_slot, s_csv_c, s_csv_w,
-    s_icq_row, s_icq_t, s_ick_row, s_ick_t, s_icv_row, s_icv_t,
-    s_snap_row, s_snap_t,
-    s_rk_slot, s_rv_slot, s_rg_slot, s_rb_slot, ring_len,
+    stride_state_slot, s_snap_row, s_snap_t, s_rk_slot, s_rv_slot, s_rg_slot, s_rb_slot, ring_len,
     scale, lower_bound,
-    T: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, PREFETCH_NEXT: tl.constexpr,
-    HAS_CONV: tl.constexpr, HAS_CONV_BIAS: tl.constexpr, SNAPSHOT: tl.constexpr, RING: tl.constexpr,
-    SAFE_GATE: tl.constexpr,
+    T: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    SNAPSHOT: tl.constexpr, RING: tl.constexpr, SAFE_GATE: tl.constexpr,
 ):
     # One program: BLOCK_V state rows of one (request, value head), carried in registers
-    # through the T steps. The per-step inputs (conv included) of a chunk of BLOCK_T steps
-    # are loaded and prepared at once, so only the recurrence itself is sequential; with
-    # PREFETCH_NEXT the next chunk's loads are issued before this chunk's recurrence, so
-    # their latency hides behind it. Data shared by the programs of a key head (k ring,
-    # q/k windows) has one writer: the group's first value head, V tile 0.
+    # through the T steps; each step's inputs are loaded while the previous step computes
+    # (faster than preparing chunks of steps at once: results/mtp_schedule_sweep_h200.json).
+    # Data shared by the programs of a key head (the k ring) has one writer: the group's
+    # first value head, V tile 0.
     i_v, i_hv, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     G: tl.constexpr = HV // H
     i_h = i_hv // G
@@ -118,73 +73,37 @@ def _mtp_verify_kernel(
     x_q = q + n64 * T * H * K                     # this request's token 0, channel 0
     x_k = k + n64 * T * H * K
     x_v = v + n64 * T * HV * V
-    ch_qk = i_h * K + offs_k                      # channel index inside the q / k convs
+    ch_qk = i_h * K + offs_k
     ch_v = i_hv * V + offs_v
     bias = tl.load(dt_bias + i_hv * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
     A_log_h = tl.load(A_log + i_hv).to(tl.float32)
-    win_q = cs_q + slot * s_csq_slot
-    win_k = cs_k + slot * s_csk_slot
-    win_v = cs_v + slot * s_csv_slot
-    ic_q_row = ic_q + row * s_icq_row
-    ic_k_row = ic_k + row * s_ick_row
-    ic_v_row = ic_v + row * s_icv_row
 
-    q_nxt, k_nxt, v_nxt, g_nxt, beta_nxt = _prepare_steps(
-        q, a, b, x_q, x_k, x_v, w_q, w_k, w_v, bias_q, bias_k, bias_v, win_q, win_k, win_v,
-        ic_q_row, ic_k_row, ic_v_row, ring_k, ring_v, ring_g, ring_beta,
-        s_csq_c, s_csq_w, s_csk_c, s_csk_w, s_csv_c, s_csv_w, s_icq_t, s_ick_t, s_icv_t,
-        s_rk_slot, s_rv_slot, s_rg_slot, s_rb_slot, ring_len,
-        slot, n64, i_h, i_hv, ch_qk, ch_v, offs_k, offs_v, mask_k, mask_v, live, writes_head, writes_key_head,
-        bias, A_log_h, lower_bound, 0, T, H, HV, K, V, W, BLOCK_T, HAS_CONV, HAS_CONV_BIAS, RING, SAFE_GATE)
-    for chunk in tl.static_range(0, T, BLOCK_T):
-        q_all, k_all, v_all, g_all, beta_all = q_nxt, k_nxt, v_nxt, g_nxt, beta_nxt
-        if chunk + BLOCK_T < T:
-            if PREFETCH_NEXT:
-                q_nxt, k_nxt, v_nxt, g_nxt, beta_nxt = _prepare_steps(
-                    q, a, b, x_q, x_k, x_v, w_q, w_k, w_v, bias_q, bias_k, bias_v, win_q, win_k, win_v,
-                    ic_q_row, ic_k_row, ic_v_row, ring_k, ring_v, ring_g, ring_beta,
-                    s_csq_c, s_csq_w, s_csk_c, s_csk_w, s_csv_c, s_csv_w, s_icq_t, s_ick_t, s_icv_t,
-                    s_rk_slot, s_rv_slot, s_rg_slot, s_rb_slot, ring_len,
-                    slot, n64, i_h, i_hv, ch_qk, ch_v, offs_k, offs_v, mask_k, mask_v, live, writes_head,
-                    writes_key_head, bias, A_log_h, lower_bound, chunk + BLOCK_T,
-                    T, H, HV, K, V, W, BLOCK_T, HAS_CONV, HAS_CONV_BIAS, RING, SAFE_GATE)
-        for j in tl.static_range(BLOCK_T):
-            if chunk + j < T:
-                q_hat = l2_normalize(row_of(q_all, j, BLOCK_T)) * scale
-                k_hat = l2_normalize(row_of(k_all, j, BLOCK_T))
-                beta_t = tl.sum(tl.where(tl.arange(0, BLOCK_T) == j, beta_all, 0.0), axis=0)
-                S = delta_rule_update(S, k_hat, row_of(v_all, j, BLOCK_T), row_of(g_all, j, BLOCK_T), beta_t)
-                o = tl.where(live, tl.sum(S * q_hat[None, :], axis=1), 0.0)
-                tl.store(out + ((n64 * T + chunk + j) * HV + i_hv) * V + offs_v, o.to(out.dtype.element_ty),
-                         mask=mask_v)
-                if SNAPSHOT:
-                    snap = snapshots + row * s_snap_row + (chunk + j) * s_snap_t + i_hv * V * K
-                    tl.store(snap + offs_v[:, None] * K + offs_k[None, :], S.to(snapshots.dtype.element_ty),
-                             mask=mask_s)
-        if chunk + BLOCK_T < T:
-            if not PREFETCH_NEXT:
-                q_nxt, k_nxt, v_nxt, g_nxt, beta_nxt = _prepare_steps(
-                    q, a, b, x_q, x_k, x_v, w_q, w_k, w_v, bias_q, bias_k, bias_v, win_q, win_k, win_v,
-                    ic_q_row, ic_k_row, ic_v_row, ring_k, ring_v, ring_g, ring_beta,
-                    s_csq_c, s_csq_w, s_csk_c, s_csk_w, s_csv_c, s_csv_w, s_icq_t, s_ick_t, s_icv_t,
-                    s_rk_slot, s_rv_slot, s_rg_slot, s_rb_slot, ring_len,
-                    slot, n64, i_h, i_hv, ch_qk, ch_v, offs_k, offs_v, mask_k, mask_v, live, writes_head,
-                    writes_key_head, bias, A_log_h, lower_bound, chunk + BLOCK_T,
-                    T, H, HV, K, V, W, BLOCK_T, HAS_CONV, HAS_CONV_BIAS, RING, SAFE_GATE)
+    nxt = _load_step(x_q, x_k, x_v, a, b, 0, n64, i_hv, ch_qk, ch_v, offs_k, mask_k, mask_v, bias, A_log_h,
+                     lower_bound, T, H, HV, K, V, SAFE_GATE)
+    for t in tl.static_range(T):
+        q_t, k_t, v_t, g_t, beta_t = nxt
+        if t + 1 < T:
+            nxt = _load_step(x_q, x_k, x_v, a, b, t + 1, n64, i_hv, ch_qk, ch_v, offs_k, mask_k, mask_v, bias,
+                             A_log_h, lower_bound, T, H, HV, K, V, SAFE_GATE)
+        if RING:  # the raw per-step inputs of the commit's replay
+            tl.store(ring_k + slot * s_rk_slot + (i_h * ring_len + t) * K + offs_k, k_t.to(ring_k.dtype.element_ty),
+                     mask=mask_k & writes_key_head)
+            tl.store(ring_v + slot * s_rv_slot + (i_hv * ring_len + t) * V + offs_v,
+                     v_t.to(ring_v.dtype.element_ty), mask=mask_v & live)
+            tl.store(ring_g + slot * s_rg_slot + (i_hv * ring_len + t) * K + offs_k,
+                     g_t.to(ring_g.dtype.element_ty), mask=mask_k & writes_head)
+            tl.store(ring_beta + slot * s_rb_slot + i_hv * ring_len + t, beta_t.to(ring_beta.dtype.element_ty),
+                     mask=writes_head)
+        q_hat = l2_normalize(q_t) * scale
+        S = delta_rule_update(S, l2_normalize(k_t), v_t, g_t, beta_t)
+        o = tl.where(live, tl.sum(S * q_hat[None, :], axis=1), 0.0)
+        tl.store(out + ((n64 * T + t) * HV + i_hv) * V + offs_v, o.to(out.dtype.element_ty), mask=mask_v)
+        if SNAPSHOT:
+            snap = snapshots + row * s_snap_row + t * s_snap_t + i_hv * V * K
+            tl.store(snap + offs_v[:, None] * K + offs_k[None, :], S.to(snapshots.dtype.element_ty), mask=mask_s)
 
 
 _mtp_verify = CachedKernel(_mtp_verify_kernel)
-
-
-def step_schedule(T: int, has_conv: bool) -> tuple[int, bool]:
-    """(steps whose inputs are prepared together, prefetch the next chunk), pinned from the
-    H200 sweep (results/mtp_schedule_sweep_h200.json, N = 64): one step at a time with the
-    next step's loads in flight is fastest without the conv (snapshot verify 88% / 87% of
-    the copy ceiling at 4 / 8 steps, against 80% / 73% for chunks of 4) and with the conv
-    past 4 steps; with the conv up to 4 steps, one chunk of 4 (its q/k conv loads batched)."""
-    if has_conv and T <= 4:
-        return 4, False
-    return 1, True
 
 
 def recurrence_tile(V: int, K: int) -> tuple[int, int]:
@@ -195,11 +114,6 @@ def recurrence_tile(V: int, K: int) -> tuple[int, int]:
     return max(1, min(triton.next_power_of_2(V), 4096 // (triton.next_power_of_2(K) * 4))), 1
 
 
-# The short conv runs as its own kernel before the recurrence (verify_conv.py) rather
-# than fused into it, where every V tile of a head recomputed the q/k conv.
-CONV_PROLOGUE = True
-
-
 def _strides(t, dims, default=0):
     return [t.stride(d) for d in dims] if t is not None else [default] * len(dims)
 
@@ -207,45 +121,30 @@ def _strides(t, dims, default=0):
 @register("mtp_verify", "triton")
 def mtp_verify_triton(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, out, *,
                       conv_weights, conv_states, intermediate_conv, conv_bias, snapshots, rings, scale,
-                      lower_bound, norm_gate, norm_weight, norm_eps, schedule=None, conv_prologue=None):
-    """``schedule = (steps per chunk, prefetch next chunk)`` overrides ``step_schedule``;
-    ``conv_prologue`` overrides ``CONV_PROLOGUE`` (sweeps)."""
+                      lower_bound, norm_gate, norm_weight, norm_eps):
     N, T, H, K = q.shape
     HV, V = v.shape[-2:]
     if N == 0:
         return out
-    has_conv = conv_weights is not None
-    W = conv_weights[0].shape[1] if has_conv else 1
+    if conv_weights is not None:  # its own kernel first; the recurrence reads the post-conv tokens
+        q, k, v = verify_conv(q, k, v, conv_weights, conv_bias, conv_states, intermediate_conv, slot_indices,
+                              scratch_indices)
     dummy = state  # never dereferenced: the constexpr flags compile its uses away
-    w_q, w_k, w_v = conv_weights if has_conv else (dummy,) * 3
-    bias_q, bias_k, bias_v = conv_bias if conv_bias is not None else (dummy,) * 3
-    cs_q, cs_k, cs_v = conv_states if has_conv else (None,) * 3
-    ic_q, ic_k, ic_v = intermediate_conv if has_conv else (None,) * 3
     ring_k, ring_v, ring_g, ring_beta = rings if rings is not None else (None,) * 4
     norm = norm_weight is not None
     raw_out = torch.empty(out.shape, dtype=torch.float32, device=out.device) if norm else out
-    windows = (*(t if t is not None else dummy for t in (cs_q, cs_k, cs_v, ic_q, ic_k, ic_v)),)
-    window_strides = (*_strides(cs_q, (0, 1, 2)), *_strides(cs_k, (0, 1, 2)), *_strides(cs_v, (0, 1, 2)),
-                      *_strides(ic_q, (0, 1)), *_strides(ic_k, (0, 1)), *_strides(ic_v, (0, 1)))
-    if has_conv and (CONV_PROLOGUE if conv_prologue is None else conv_prologue):
-        q, k, v = verify_conv(q, k, v, conv_weights, conv_bias, conv_states, intermediate_conv, slot_indices,
-                              scratch_indices, window_strides)
-        has_conv = False  # the recurrence reads the post-conv tokens
-    ring_args = (*_strides(ring_k, (0,)), *_strides(ring_v, (0,)), *_strides(ring_g, (0,)),
-                 *_strides(ring_beta, (0,)), ring_k.shape[2] if ring_k is not None else 0,
-                 float(scale), float(lower_bound) if lower_bound is not None else 0.0)
-    head = (q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, raw_out,
-            w_q, w_k, w_v, bias_q, bias_k, bias_v, *windows)
-    constexprs = dict(T=T, H=H, HV=HV, K=K, V=V, W=W, HAS_CONV=has_conv, HAS_CONV_BIAS=conv_bias is not None,
-                      SAFE_GATE=lower_bound is not None)
     block_v, num_warps = recurrence_tile(V, K)
-    chunk, prefetch = schedule or step_schedule(T, has_conv)
-    args = (*head, *(t if t is not None else dummy for t in (snapshots, ring_k, ring_v, ring_g, ring_beta)),
-            state.stride(0), *window_strides, *_strides(snapshots, (0, 1)), *ring_args)
-    _mtp_verify((triton.cdiv(V, block_v), HV, N), args,
-                dict(constexprs, BLOCK_T=chunk, PREFETCH_NEXT=prefetch, BLOCK_K=triton.next_power_of_2(K), BLOCK_V=block_v,
-                     SNAPSHOT=snapshots is not None and rings is None, RING=rings is not None),
-                num_warps=num_warps, num_stages=1)
+    _mtp_verify(
+        (triton.cdiv(V, block_v), HV, N),
+        (q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, raw_out,
+         *(t if t is not None else dummy for t in (snapshots, ring_k, ring_v, ring_g, ring_beta)),
+         state.stride(0), *_strides(snapshots, (0, 1)), *_strides(ring_k, (0,)), *_strides(ring_v, (0,)),
+         *_strides(ring_g, (0,)), *_strides(ring_beta, (0,)), ring_k.shape[2] if ring_k is not None else 0,
+         float(scale), float(lower_bound) if lower_bound is not None else 0.0),
+        dict(T=T, H=H, HV=HV, K=K, V=V, BLOCK_K=triton.next_power_of_2(K), BLOCK_V=block_v,
+             SNAPSHOT=snapshots is not None and rings is None, RING=rings is not None,
+             SAFE_GATE=lower_bound is not None),
+        num_warps=num_warps, num_stages=1)
     if norm:  # padding rows stay zero: their raw output is zero, and so is its norm
         gated_rmsnorm(raw_out, norm_gate, norm_weight, eps=norm_eps, out=out, backend="triton")
     return out

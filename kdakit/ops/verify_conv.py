@@ -14,7 +14,47 @@ import triton
 import triton.language as tl
 
 from .launch import CachedKernel
-from .mtp_verify_inputs import conv_silu_steps, store_windows
+
+
+@triton.jit
+def _conv_inputs(x, stride_x_t, window, stride_win_c, stride_win_w, ch, mask, live, pos, T, W: tl.constexpr):
+    """Positions ``pos`` ([BLOCK_T, 1]) of the sequence [persistent window (W-1), x_0, x_1, ...]."""
+    in_window = pos < W - 1
+    from_window = tl.load(window + ch[None, :] * stride_win_c + pos * stride_win_w,
+                          mask=in_window & (mask & live)[None, :], other=0.0)
+    x_pos = pos - (W - 1)
+    from_x = tl.load(x + x_pos * stride_x_t + ch[None, :], mask=(x_pos >= 0) & (x_pos < T) & mask[None, :],
+                     other=0.0)
+    return tl.where(in_window, from_window, from_x).to(tl.float32)
+
+
+@triton.jit
+def _conv_silu_steps(x, stride_x_t, window, stride_win_c, stride_win_w, weight, bias, ch, mask, live,
+                      t0, T, W: tl.constexpr, BLOCK_T: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """[BLOCK_T, channels] SiLU(conv) of steps t0 .. t0+BLOCK_T-1 at once, all loads in flight
+    together, taps summed oldest first as the unfused conv kernel sums them
+    (triton_math.short_conv)."""
+    pos = t0 + tl.arange(0, BLOCK_T)[:, None]
+    acc = tl.zeros_like(pos.to(tl.float32) + ch[None, :].to(tl.float32))
+    for j in tl.static_range(W):
+        w = tl.load(weight + ch * W + j, mask=mask, other=0.0)
+        acc += w[None, :] * _conv_inputs(x, stride_x_t, window, stride_win_c, stride_win_w, ch, mask, live,
+                                         pos + j, T, W)
+    if HAS_BIAS:
+        acc += tl.load(bias + ch, mask=mask, other=0.0)[None, :]
+    return acc * tl.sigmoid(acc)
+
+
+@triton.jit
+def _store_windows(dst, stride_dst_t, x, stride_x_t, window, stride_win_c, stride_win_w, ch, mask, live,
+                   store_mask, t0, T, W: tl.constexpr, BLOCK_T: tl.constexpr):
+    """The window after each step t of the chunk (positions t+1 .. t+W-1), into contiguous
+    [C, W-1] blocks."""
+    pos = t0 + tl.arange(0, BLOCK_T)[:, None]
+    for p in tl.static_range(W - 1):
+        val = _conv_inputs(x, stride_x_t, window, stride_win_c, stride_win_w, ch, mask, live, pos + 1 + p, T, W)
+        tl.store(dst + pos * stride_dst_t + ch[None, :] * (W - 1) + p, val.to(dst.dtype.element_ty),
+                 mask=(pos < T) & (store_mask & mask)[None, :])
 
 
 @triton.jit
@@ -25,11 +65,11 @@ def _conv_part(x, window, weight, bias, inter, post, s_win_slot, s_win_c, s_win_
     mask = ch < C
     x_n = x + n64 * T * C                      # this request's token 0, channel 0
     win = window + slot * s_win_slot
-    y = conv_silu_steps(x_n, C, win, s_win_c, s_win_w, weight, bias, ch, mask, live, 0, T, W, BLOCK_T, HAS_BIAS)
+    y = _conv_silu_steps(x_n, C, win, s_win_c, s_win_w, weight, bias, ch, mask, live, 0, T, W, BLOCK_T, HAS_BIAS)
     steps = tl.arange(0, BLOCK_T)
     tl.store(post + (n64 * T + steps[:, None]) * C + ch[None, :], y.to(post.dtype.element_ty),
              mask=(steps < T)[:, None] & mask[None, :])
-    store_windows(inter + row * s_inter_row, s_inter_t, x_n, C, win, s_win_c, s_win_w, ch, mask, live, live, 0, T,
+    _store_windows(inter + row * s_inter_row, s_inter_t, x_n, C, win, s_win_c, s_win_w, ch, mask, live, live, 0, T,
                   W, BLOCK_T)
 
 
@@ -66,11 +106,9 @@ _verify_conv = CachedKernel(_verify_conv_kernel)
 BLOCK_C = 128  # channels per program: [steps, 128] tiles, every load 256 contiguous bytes
 
 
-def verify_conv(q, k, v, conv_weights, conv_bias, conv_states, intermediate_conv, slot_indices, scratch_indices,
-                window_strides):
+def verify_conv(q, k, v, conv_weights, conv_bias, conv_states, intermediate_conv, slot_indices, scratch_indices):
     """Post-conv ``(q, k, v)`` of every step (new tensors shaped like the inputs); the windows
-    after each step go to ``intermediate_conv``. ``window_strides``: the 15 conv-pool and
-    intermediate-window strides in the verify kernel's order."""
+    after each step go to ``intermediate_conv[i][scratch_indices[n], t]``."""
     N, T, H, K = q.shape
     HV, V = v.shape[2:]
     post = tuple(torch.empty_like(t) for t in (q, k, v))
@@ -78,7 +116,8 @@ def verify_conv(q, k, v, conv_weights, conv_bias, conv_states, intermediate_conv
     _verify_conv(
         (triton.cdiv(max(H * K, HV * V), BLOCK_C), N, 3),
         (q, k, v, *conv_weights, *bias, *conv_states, *intermediate_conv, *post, slot_indices, scratch_indices,
-         *window_strides),
+         *(cs.stride(d) for cs in conv_states for d in (0, 1, 2)),
+         *(ic.stride(d) for ic in intermediate_conv for d in (0, 1))),
         dict(C_QK=H * K, C_V=HV * V, T=T, W=conv_weights[0].shape[1], BLOCK_T=triton.next_power_of_2(T),
              BLOCK_C=BLOCK_C, HAS_BIAS=conv_bias is not None),
         num_warps=4, num_stages=1)
