@@ -94,3 +94,49 @@ def short_conv_update(x_ptrs, win_ptrs, w_ptrs, bias_ptrs, stride_tap, mask, liv
     tl.debug_barrier()
     shift_window(win_ptrs, win, x, stride_tap, mask, live, W, BLOCK_TAPS)
     return y
+
+
+# ----------------------------------------------------------------------------
+# The recurrence on state tiles held as [BLOCK_V, K_CHUNKS, CHUNK] (key dim split in chunks).
+# Loaded that way, Triton lays a tile out with one state row per group of 4 lanes and all the
+# chunks in each thread (threadsPerWarp [8, 1, 4] for float32): a reduction over the key dim
+# is in-thread adds and 2 shuffle levels per row, instead of 5 levels for each row of a
+# [BLOCK_V, K] tile spread over 32 lanes. Instruction-bound multi-step kernels (verify,
+# commit, recurrent forward) run several times fewer shuffles per step.
+# ----------------------------------------------------------------------------
+@triton.jit
+def key_chunk_offsets(K_CHUNKS: tl.constexpr, CHUNK: tl.constexpr):
+    """[K_CHUNKS, CHUNK] key-dim offsets ``c * CHUNK + j``."""
+    return tl.arange(0, K_CHUNKS)[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]
+
+
+@triton.jit
+def state_tile_offsets(offs_v, K: tl.constexpr, K_CHUNKS: tl.constexpr, CHUNK: tl.constexpr):
+    """[BLOCK_V, K_CHUNKS, CHUNK] offsets of rows ``offs_v`` of a V-major [V, K] state."""
+    return offs_v[:, None, None] * K + key_chunk_offsets(K_CHUNKS, CHUNK)[None, :, :]
+
+
+@triton.jit
+def key_sum(x):
+    """Sum over the key dim of [..., K_CHUNKS, CHUNK]: chunks first (in-thread), then lanes."""
+    return tl.sum(tl.sum(x, axis=-2), axis=-1)
+
+
+@triton.jit
+def l2_normalize_chunks(x):
+    """x [K_CHUNKS, CHUNK] / its L2 norm."""
+    return x / tl.sqrt(key_sum(x * x) + 1e-6)
+
+
+@triton.jit
+def delta_rule_update_chunks(S, k, v, g, beta):
+    """S [BLOCK_V, K_CHUNKS, CHUNK]; k, g [K_CHUNKS, CHUNK]; v [BLOCK_V]; beta scalar."""
+    S = S * tl.exp(g)[None, :, :]
+    u = beta * (v - key_sum(S * k[None, :, :]))
+    return S + u[:, None, None] * k[None, :, :]
+
+
+@triton.jit
+def readout_chunks(S, q):
+    """o = S q for S [BLOCK_V, K_CHUNKS, CHUNK], q [K_CHUNKS, CHUNK]."""
+    return key_sum(S * q[None, :, :])
