@@ -15,8 +15,8 @@ import triton.language as tl
 from .. import contracts, reference
 from ..backends import register, select
 from .launch import CachedKernel
-from .mtp_verify import key_chunks, recurrence_tile
-from .triton_math import delta_rule_update_chunks, key_chunk_offsets, l2_normalize_chunks, state_tile_offsets
+from .mtp_verify import recurrence_tile
+from .triton_math import delta_rule_update, l2_normalize
 
 
 @triton.jit
@@ -35,7 +35,7 @@ def _commit_ring_kernel(
     s_state_layer, s_state_slot, s_rk_layer, s_rk_slot, s_rv_layer, s_rv_slot, s_rg_layer, s_rg_slot,
     s_rb_layer, s_rb_slot, ring_len, null_block_id,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    K_CHUNKS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_V: tl.constexpr, USE_QK_L2NORM: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, USE_QK_L2NORM: tl.constexpr,
     TRACK: tl.constexpr,
 ):
     # Same tile shape and the same device functions as the verify kernel, so the
@@ -44,7 +44,7 @@ def _commit_ring_kernel(
     layer = (i_layer_hv // HV).to(tl.int64)
     i_hv = i_layer_hv % HV
     i_h = i_hv // (HV // H)
-    offs_k = key_chunk_offsets(K_CHUNKS, CHUNK)  # the state tile is [BLOCK_V, K_CHUNKS, CHUNK]
+    offs_k = tl.arange(0, BLOCK_K)
     offs_v = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
     mask_k = offs_k < K
     mask_v = offs_v < V
@@ -52,8 +52,8 @@ def _commit_ring_kernel(
     steps = tl.load(accept_lens + i_n).to(tl.int32)
     active = (slot > null_block_id) & (slot >= 0) & (steps > 0)
     num_steps = tl.where(active, steps, 0)
-    mask_s = active & (mask_v[:, None, None] & mask_k[None, :, :])
-    tile = i_hv * V * K + state_tile_offsets(offs_v, K, K_CHUNKS, CHUNK)
+    mask_s = active & (mask_v[:, None] & mask_k[None, :])
+    tile = i_hv * V * K + offs_v[:, None] * K + offs_k[None, :]
     s_ptrs = state + layer * s_state_layer + slot * s_state_slot + tile
     S = tl.load(s_ptrs, mask=mask_s, other=0.0).to(tl.float32)
     if TRACK:
@@ -62,8 +62,8 @@ def _commit_ring_kernel(
         track_mask = mask_s & (track_slot > null_block_id) & (track_slot >= 0)
         track_ptrs = state + layer * s_state_layer + track_slot * s_state_slot + tile
 
-    # Each step's ring rows are loaded while the previous step folds, exactly as the verify
-    # kernel reads its inputs (the same register layout of k, so its L2 norm
+    # Each step's ring rows are loaded while the previous step folds, as 1-D rows exactly as
+    # the verify kernel reads its inputs (the same register layout of k, so its L2 norm
     # rounds alike and the replayed state equals the verify's snapshot bitwise).
     p_k = ring_k + layer * s_rk_layer + slot * s_rk_slot + i_h * ring_len * K + offs_k
     p_v = ring_v + layer * s_rv_layer + slot * s_rv_slot + i_hv * ring_len * V + offs_v
@@ -75,8 +75,8 @@ def _commit_ring_kernel(
         k_t, v_t, g_t, beta_t = k_n, v_n, g_n, beta_n
         k_n, v_n, g_n, beta_n = _load_ring_step(p_k, p_v, p_g, p_b, t + 1, t + 1 < num_steps, mask_k, mask_v, K, V)
         if USE_QK_L2NORM:
-            k_t = l2_normalize_chunks(k_t)
-        S = delta_rule_update_chunks(S, k_t, v_t, g_t, beta_t)
+            k_t = l2_normalize(k_t)
+        S = delta_rule_update(S, k_t, v_t, g_t, beta_t)
         if TRACK:
             tl.store(track_ptrs, S.to(state.dtype.element_ty), mask=track_mask & (t == track_step))
         t += 1
@@ -124,7 +124,6 @@ def commit_ring_triton(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, a
     if N == 0 or num_layers == 0:
         return
     block_v, num_warps = recurrence_tile(V, K)
-    k_chunks, chunk = key_chunks(K)
     track = track_slots is not None
     grid = (triton.cdiv(V, block_v), num_layers * HV, N)
     _commit_ring(grid, (
@@ -134,7 +133,7 @@ def commit_ring_triton(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, a
         ring_k.stride(0) if layered else 0, ring_k.stride(1), ring_v.stride(0) if layered else 0, ring_v.stride(1),
         ring_g.stride(0) if layered else 0, ring_g.stride(1), ring_beta.stride(0) if layered else 0,
         ring_beta.stride(1), ring_len, int(null_block_id)),
-        dict(H=H, HV=HV, K=K, V=V, K_CHUNKS=k_chunks, CHUNK=chunk,
+        dict(H=H, HV=HV, K=K, V=V, BLOCK_K=triton.next_power_of_2(K),
              BLOCK_V=block_v,
              USE_QK_L2NORM=bool(use_qk_l2norm), TRACK=track), num_warps=num_warps, num_stages=1)
 

@@ -17,8 +17,7 @@ from .. import contracts, reference
 from ..backends import register, select
 from .launch import CachedKernel
 from .gated_rmsnorm import gated_rmsnorm
-from .triton_math import (delta_rule_update_chunks, kda_log_decay, key_chunk_offsets, l2_normalize_chunks,
-                          readout_chunks, state_tile_offsets)
+from .triton_math import delta_rule_update, kda_log_decay, l2_normalize
 from .verify_conv import verify_conv
 
 
@@ -26,9 +25,9 @@ from .verify_conv import verify_conv
 def _load_step(x_q, x_k, x_v, a, b, t, n64, i_hv, ch_qk, ch_v, offs_k, mask_k, mask_v, bias, A_log_h, lower_bound,
                T: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                SAFE_GATE: tl.constexpr):
-    """Step t's post-conv q, k, v, its log-decay g and β, float32 (q, k, g as [K_CHUNKS,
-    CHUNK] rows). Read the way the ring commit reads its rows, so both hold k in the same
-    register layout and its L2 norm rounds alike."""
+    """Step t's post-conv q, k, v, its log-decay g and β, float32. Read as 1-D rows, the way
+    the ring commit reads its rows, so both hold k in the same register layout and its L2
+    norm rounds alike."""
     tok = n64 * T + t
     q_t = tl.load(x_q + t * H * K + ch_qk, mask=mask_k, other=0.0).to(tl.float32)
     k_t = tl.load(x_k + t * H * K + ch_qk, mask=mask_k, other=0.0).to(tl.float32)
@@ -46,7 +45,7 @@ def _mtp_verify_kernel(
     stride_state_slot, s_snap_row, s_snap_t, s_rk_slot, s_rv_slot, s_rg_slot, s_rb_slot, ring_len,
     scale, lower_bound,
     T: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    K_CHUNKS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_V: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
     SNAPSHOT: tl.constexpr, RING: tl.constexpr, SAFE_GATE: tl.constexpr,
 ):
     # One program: BLOCK_V state rows of one (request, value head), carried in registers
@@ -57,7 +56,7 @@ def _mtp_verify_kernel(
     i_v, i_hv, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     G: tl.constexpr = HV // H
     i_h = i_hv // G
-    offs_k = key_chunk_offsets(K_CHUNKS, CHUNK)  # the state tile is [BLOCK_V, K_CHUNKS, CHUNK]
+    offs_k = tl.arange(0, BLOCK_K)
     offs_v = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
     mask_k = offs_k < K
     mask_v = offs_v < V
@@ -66,9 +65,8 @@ def _mtp_verify_kernel(
     live = slot >= 0  # padding rows: zero output, nothing else read or written
     writes_head = live & (i_v == 0)
     writes_key_head = writes_head & (i_hv % G == 0)
-    mask_s = live & (mask_v[:, None, None] & mask_k[None, :, :])
-    tile = state_tile_offsets(offs_v, K, K_CHUNKS, CHUNK)
-    s_ptrs = state + slot * stride_state_slot + i_hv * V * K + tile
+    mask_s = live & (mask_v[:, None] & mask_k[None, :])
+    s_ptrs = state + slot * stride_state_slot + i_hv * V * K + offs_v[:, None] * K + offs_k[None, :]
     S = tl.load(s_ptrs, mask=mask_s, other=0.0).to(tl.float32)
 
     n64 = i_n.to(tl.int64)
@@ -96,13 +94,13 @@ def _mtp_verify_kernel(
                      g_t.to(ring_g.dtype.element_ty), mask=mask_k & writes_head)
             tl.store(ring_beta + slot * s_rb_slot + i_hv * ring_len + t, beta_t.to(ring_beta.dtype.element_ty),
                      mask=writes_head)
-        q_hat = l2_normalize_chunks(q_t) * scale
-        S = delta_rule_update_chunks(S, l2_normalize_chunks(k_t), v_t, g_t, beta_t)
-        o = tl.where(live, readout_chunks(S, q_hat), 0.0)
+        q_hat = l2_normalize(q_t) * scale
+        S = delta_rule_update(S, l2_normalize(k_t), v_t, g_t, beta_t)
+        o = tl.where(live, tl.sum(S * q_hat[None, :], axis=1), 0.0)
         tl.store(out + ((n64 * T + t) * HV + i_hv) * V + offs_v, o.to(out.dtype.element_ty), mask=mask_v)
         if SNAPSHOT:
             snap = snapshots + row * s_snap_row + t * s_snap_t + i_hv * V * K
-            tl.store(snap + tile, S.to(snapshots.dtype.element_ty), mask=mask_s)
+            tl.store(snap + offs_v[:, None] * K + offs_k[None, :], S.to(snapshots.dtype.element_ty), mask=mask_s)
 
 
 _mtp_verify = CachedKernel(_mtp_verify_kernel)
@@ -114,14 +112,6 @@ def recurrence_tile(V: int, K: int) -> tuple[int, int]:
     round exactly like the verify's and a ring commit equals a snapshot commit bitwise;
     that is also why the output norm runs as a second kernel rather than on a full-row tile."""
     return max(1, min(triton.next_power_of_2(V), 4096 // (triton.next_power_of_2(K) * 4))), 1
-
-
-def key_chunks(K: int) -> tuple[int, int]:
-    """(K_CHUNKS, CHUNK) of the [BLOCK_V, K_CHUNKS, CHUNK] state tiles (triton_math): chunks of
-    16 float32, 4 lanes of 4 each, so one row spans 4 lanes."""
-    block_k = triton.next_power_of_2(K)
-    chunk = min(block_k, 16)
-    return block_k // chunk, chunk
 
 
 def _strides(t, dims, default=0):
@@ -144,7 +134,6 @@ def mtp_verify_triton(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratc
     norm = norm_weight is not None
     raw_out = torch.empty(out.shape, dtype=torch.float32, device=out.device) if norm else out
     block_v, num_warps = recurrence_tile(V, K)
-    k_chunks, chunk = key_chunks(K)
     _mtp_verify(
         (triton.cdiv(V, block_v), HV, N),
         (q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, raw_out,
@@ -152,7 +141,7 @@ def mtp_verify_triton(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratc
          state.stride(0), *_strides(snapshots, (0, 1)), *_strides(ring_k, (0,)), *_strides(ring_v, (0,)),
          *_strides(ring_g, (0,)), *_strides(ring_beta, (0,)), ring_k.shape[2] if ring_k is not None else 0,
          float(scale), float(lower_bound) if lower_bound is not None else 0.0),
-        dict(T=T, H=H, HV=HV, K=K, V=V, K_CHUNKS=k_chunks, CHUNK=chunk, BLOCK_V=block_v,
+        dict(T=T, H=H, HV=HV, K=K, V=V, BLOCK_K=triton.next_power_of_2(K), BLOCK_V=block_v,
              SNAPSHOT=snapshots is not None and rings is None, RING=rings is not None,
              SAFE_GATE=lower_bound is not None),
         num_warps=num_warps, num_stages=1)

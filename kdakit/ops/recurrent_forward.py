@@ -27,9 +27,7 @@ import triton.language as tl
 from .. import contracts, reference
 from ..backends import register, select
 from .launch import CachedKernel
-from .mtp_verify import key_chunks
-from .triton_math import (delta_rule_update_chunks, kda_log_decay, key_chunk_offsets, l2_normalize_chunks,
-                          readout_chunks)
+from .triton_math import delta_rule_update, kda_log_decay, l2_normalize
 
 # How beta becomes β: as given, sigmoid of a logit, or 2·sigmoid (fla's allow_neg_eigval).
 BETA_AS_IS, BETA_SIGMOID, BETA_SIGMOID_X2 = 0, 1, 2
@@ -47,7 +45,7 @@ def _recurrent_forward_kernel(
     stride_idx_n, stride_idx_t,
     scale, lower_bound,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    K_CHUNKS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_V: tl.constexpr, V_TILES: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, V_TILES: tl.constexpr,
     IS_VARLEN: tl.constexpr, PER_TOKEN_SLOTS: tl.constexpr, HAS_NUM_ACCEPTED: tl.constexpr,
     WRITE_STATE: tl.constexpr, HAS_TOKEN_STATES: tl.constexpr, HAS_FINAL_STATES: tl.constexpr,
     USE_QK_L2NORM: tl.constexpr, GATE_IN_KERNEL: tl.constexpr, SAFE_GATE: tl.constexpr, BETA_MODE: tl.constexpr,
@@ -55,7 +53,7 @@ def _recurrent_forward_kernel(
     i_n, i_hv, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_hv // (HV // H)
     n64 = i_n.to(tl.int64)
-    offs_k = key_chunk_offsets(K_CHUNKS, CHUNK)  # state tiles are [BLOCK_V, K_CHUNKS, CHUNK] (triton_math)
+    offs_k = tl.arange(0, BLOCK_K)
     mask_k = offs_k < K
     if IS_VARLEN:
         bos = tl.load(cu_seqlens + i_n).to(tl.int64)
@@ -81,8 +79,8 @@ def _recurrent_forward_kernel(
     for i_tile in tl.static_range(V_TILES):
         offs_v = (i_v * V_TILES + i_tile) * BLOCK_V + tl.arange(0, BLOCK_V)
         mask_v = offs_v < V
-        mask_s = mask_v[:, None, None] & mask_k[None, :, :]
-        tile = i_hv * stride_s_h + offs_v[:, None, None] * stride_s_v + offs_k[None, :, :] * stride_s_k
+        mask_s = mask_v[:, None] & mask_k[None, :]
+        tile = i_hv * stride_s_h + offs_v[:, None] * stride_s_v + offs_k[None, :] * stride_s_k
         S = tl.load(state + slot * stride_s_slot + tile, mask=(slot >= 0) & mask_s, other=0.0).to(tl.float32)
 
         t = bos
@@ -93,8 +91,8 @@ def _recurrent_forward_kernel(
             b_t = tl.load(beta + t * stride_b_t + i_hv * stride_b_h).to(tl.float32)
             v_t = tl.load(v + t * stride_v_t + i_hv * stride_v_h + offs_v, mask=mask_v, other=0.0).to(tl.float32)
             if USE_QK_L2NORM:
-                q_t = l2_normalize_chunks(q_t)
-                k_t = l2_normalize_chunks(k_t)
+                q_t = l2_normalize(q_t)
+                k_t = l2_normalize(k_t)
             q_t = q_t * scale
             if GATE_IN_KERNEL:
                 g_t = kda_log_decay(g_t, bias, A_log_h, lower_bound, SAFE_GATE)
@@ -102,12 +100,12 @@ def _recurrent_forward_kernel(
                 b_t = tl.sigmoid(b_t)
             if BETA_MODE == 2:
                 b_t = tl.sigmoid(b_t) * 2.0
-            S = delta_rule_update_chunks(S, k_t, v_t, g_t, b_t)
-            o = readout_chunks(S, q_t)
+            S = delta_rule_update(S, k_t, v_t, g_t, b_t)
+            o = tl.sum(S * q_t[None, :], axis=1)
             tl.store(out + t * stride_o_t + i_hv * stride_o_h + offs_v, o.to(out.dtype.element_ty), mask=mask_v)
             if HAS_TOKEN_STATES:
                 p_ts = token_states + t * stride_ts_t + i_hv * stride_ts_h
-                tl.store(p_ts + offs_v[:, None, None] * stride_ts_v + offs_k[None, :, :] * stride_ts_k,
+                tl.store(p_ts + offs_v[:, None] * stride_ts_v + offs_k[None, :] * stride_ts_k,
                          S.to(token_states.dtype.element_ty), mask=mask_s)
             if PER_TOKEN_SLOTS:
                 if WRITE_STATE:
@@ -121,7 +119,7 @@ def _recurrent_forward_kernel(
                 tl.store(state + slot * stride_s_slot + tile, S.to(state.dtype.element_ty), mask=(slot >= 0) & mask_s)
         if HAS_FINAL_STATES:
             p_fs = final_states + n64 * stride_fs_n + i_hv * stride_fs_h
-            tl.store(p_fs + offs_v[:, None, None] * stride_fs_v + offs_k[None, :, :] * stride_fs_k,
+            tl.store(p_fs + offs_v[:, None] * stride_fs_v + offs_k[None, :] * stride_fs_k,
                      S.to(final_states.dtype.element_ty), mask=mask_s)
 
 
@@ -174,7 +172,7 @@ def recurrent_forward_triton(q, k, v, g, beta, state, slot_indices, out, *, cu_s
          *state.stride(), *_strides4(token_states), *_strides4(final_states),
          slot_indices.stride(0), slot_indices.stride(1) if per_token else 0,
          float(scale), float(lower_bound) if lower_bound is not None else 0.0),
-        dict(H=H, HV=HV, K=K, V=V, K_CHUNKS=key_chunks(K)[0], CHUNK=key_chunks(K)[1], BLOCK_V=block_v, V_TILES=v_tiles,
+        dict(H=H, HV=HV, K=K, V=V, BLOCK_K=triton.next_power_of_2(K), BLOCK_V=block_v, V_TILES=v_tiles,
              IS_VARLEN=cu_seqlens is not None, PER_TOKEN_SLOTS=per_token,
              HAS_NUM_ACCEPTED=num_accepted_tokens is not None, WRITE_STATE=bool(write_final_state),
              HAS_TOKEN_STATES=token_states is not None, HAS_FINAL_STATES=final_states is not None,
