@@ -194,9 +194,9 @@ def config_call(layer, config, norm):
                                        config=config, **kw)
 
 
-# (BLOCK_V, V_TILES, num_warps[, PREFETCH_NEXT]), with the norm: V split over programs
-# (V_TILES 1), or one program per head streaming its tiles (the next one prefetched).
-SWEEP = [(c, True) for c in ((16, 1, 1), (8, 16, 1, 0), (8, 16, 1, 1), (16, 8, 1, 1), (4, 32, 1, 1))]
+# (BLOCK_V, V_TILES, num_warps[, tiles prefetched ahead]), with the norm: V split over
+# programs (V_TILES 1), or one program per head streaming its tiles.
+SWEEP = [(c, True) for c in ((8, 16, 1, 1), (8, 16, 1, 2), (16, 8, 1, 2), (4, 32, 1, 2))]
 
 
 def timings(results, quick: bool, sweep: bool = False):

@@ -34,6 +34,11 @@ BETA_AS_IS, BETA_SIGMOID, BETA_SIGMOID_X2 = 0, 1, 2
 
 
 @triton.jit
+def _load_state_tile(head_state, offs_v, offs_k, stride_v, stride_k, mask):
+    return tl.load(head_state + offs_v[:, None] * stride_v + offs_k[None, :] * stride_k, mask=mask, other=0.0)
+
+
+@triton.jit
 def _recurrent_forward_kernel(
     q, k, v, g, beta, A_log, dt_bias, out, state, slot_indices, num_accepted, cu_seqlens, token_states, final_states,
     T,
@@ -75,13 +80,21 @@ def _recurrent_forward_kernel(
         A_log_h = tl.load(A_log + i_hv).to(tl.float32)
         bias = tl.load(dt_bias + i_hv * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
     # V_TILES tiles of BLOCK_V rows one after the other: they share the program's setup,
-    # and the second tile's token loads hit the cache.
+    # the next tile's state load is in flight while this one computes, and the next tile's
+    # token loads hit the cache.
+    first_v = i_v * V_TILES * BLOCK_V + tl.arange(0, BLOCK_V)
+    S_next = _load_state_tile(state + slot * stride_s_slot + i_hv * stride_s_h, first_v, offs_k, stride_s_v,
+                              stride_s_k, (slot >= 0) & (first_v < V)[:, None] & mask_k[None, :])
     for i_tile in tl.static_range(V_TILES):
         offs_v = (i_v * V_TILES + i_tile) * BLOCK_V + tl.arange(0, BLOCK_V)
         mask_v = offs_v < V
         mask_s = mask_v[:, None] & mask_k[None, :]
         tile = i_hv * stride_s_h + offs_v[:, None] * stride_s_v + offs_k[None, :] * stride_s_k
-        S = tl.load(state + slot * stride_s_slot + tile, mask=(slot >= 0) & mask_s, other=0.0).to(tl.float32)
+        S = S_next.to(tl.float32)
+        if i_tile + 1 < V_TILES:
+            next_v = offs_v + BLOCK_V
+            S_next = _load_state_tile(state + slot * stride_s_slot + i_hv * stride_s_h, next_v, offs_k, stride_s_v,
+                                      stride_s_k, (slot >= 0) & (next_v < V)[:, None] & mask_k[None, :])
 
         t = bos
         while t < eos:
