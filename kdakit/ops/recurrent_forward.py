@@ -50,7 +50,7 @@ def _recurrent_forward_kernel(
     stride_idx_n, stride_idx_t,
     scale, lower_bound,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, V_TILES: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, V_TILES: tl.constexpr, PREFETCH_TILE: tl.constexpr,
     IS_VARLEN: tl.constexpr, PER_TOKEN_SLOTS: tl.constexpr, HAS_NUM_ACCEPTED: tl.constexpr,
     WRITE_STATE: tl.constexpr, HAS_TOKEN_STATES: tl.constexpr, HAS_FINAL_STATES: tl.constexpr,
     USE_QK_L2NORM: tl.constexpr, GATE_IN_KERNEL: tl.constexpr, SAFE_GATE: tl.constexpr, BETA_MODE: tl.constexpr,
@@ -83,15 +83,20 @@ def _recurrent_forward_kernel(
     # the next tile's state load is in flight while this one computes, and the next tile's
     # token loads hit the cache.
     first_v = i_v * V_TILES * BLOCK_V + tl.arange(0, BLOCK_V)
-    S_next = _load_state_tile(state + slot * stride_s_slot + i_hv * stride_s_h, first_v, offs_k, stride_s_v,
-                              stride_s_k, (slot >= 0) & (first_v < V)[:, None] & mask_k[None, :])
+    if PREFETCH_TILE:
+        S_next = _load_state_tile(state + slot * stride_s_slot + i_hv * stride_s_h, first_v, offs_k, stride_s_v,
+                                  stride_s_k, (slot >= 0) & (first_v < V)[:, None] & mask_k[None, :])
     for i_tile in tl.static_range(V_TILES):
         offs_v = (i_v * V_TILES + i_tile) * BLOCK_V + tl.arange(0, BLOCK_V)
         mask_v = offs_v < V
         mask_s = mask_v[:, None] & mask_k[None, :]
         tile = i_hv * stride_s_h + offs_v[:, None] * stride_s_v + offs_k[None, :] * stride_s_k
-        S = S_next.to(tl.float32)
-        if i_tile + 1 < V_TILES:
+        if PREFETCH_TILE:
+            S = S_next.to(tl.float32)
+        else:
+            S = _load_state_tile(state + slot * stride_s_slot + i_hv * stride_s_h, offs_v, offs_k, stride_s_v,
+                                 stride_s_k, (slot >= 0) & mask_s).to(tl.float32)
+        if PREFETCH_TILE and i_tile + 1 < V_TILES:
             next_v = offs_v + BLOCK_V
             S_next = _load_state_tile(state + slot * stride_s_slot + i_hv * stride_s_h, next_v, offs_k, stride_s_v,
                                       stride_s_k, (slot >= 0) & (next_v < V)[:, None] & mask_k[None, :])
@@ -139,18 +144,24 @@ def _recurrent_forward_kernel(
 _recurrent_forward = CachedKernel(_recurrent_forward_kernel)
 
 
-def _launch_config(N: int, HV: int, V: int, K: int, tokens: int) -> tuple:
-    """(BLOCK_V, num_warps, V_TILES), pinned from the H200 sweeps (benchmarks/results), no
-    autotuning in a serving call: one warp a program always. Sequences of several tokens:
-    16 rows of K = 128 float32 (8 KB: fewer programs repeat each token's q/k/gate work).
-    One-token sequences: two 2 KB tiles per program up to 2048 (sequence, head) pairs,
-    four 4 KB tiles per program beyond (recurrent_forward_tiles_sweep_h200.json)."""
+def _launch_config(N: int, HV: int, V: int, K: int, tokens: int, k_major: bool = False) -> tuple:
+    """(BLOCK_V, num_warps, V_TILES, PREFETCH_TILE), pinned from the H200 sweeps
+    (benchmarks/results/recurrent_forward_*sweep_h200.json), no autotuning in a serving call.
+    Sequences of several tokens: one warp on 16 rows of K = 128 float32 (8 KB: fewer programs
+    repeat each token's q/k/gate work). One-token sequences: two 4 KB tiles per program, the
+    second prefetched, up to 256 (sequence, head) pairs; two 2 KB tiles without prefetch up
+    to 2048; four 4 KB tiles, prefetched, beyond. A K-major pool (fla's layout, a transposed
+    view) is contiguous along V: 32-row tiles over 4 warps keep its loads coalesced."""
     rows = max(1, min(triton.next_power_of_2(V), 4096 // (triton.next_power_of_2(K) * 4)))
+    if k_major:
+        return min(triton.next_power_of_2(V), 32), 4, 1, True
     if tokens >= 2 * max(N, 1):
-        return min(triton.next_power_of_2(V), 2 * rows), 1, 1
+        return min(triton.next_power_of_2(V), 2 * rows), 1, 1, True
+    if N * HV <= 256:
+        return rows, 1, 2, True
     if N * HV <= 2048:
-        return max(1, rows // 2), 1, 2
-    return rows, 1, 4
+        return max(1, rows // 2), 1, 2, False
+    return rows, 1, 4, True
 
 
 def _strides4(t):
@@ -162,14 +173,15 @@ def recurrent_forward_triton(q, k, v, g, beta, state, slot_indices, out, *, cu_s
                              A_log, dt_bias, lower_bound, beta_mode, num_accepted_tokens, token_states,
                              write_final_state, final_states, config=None):
     """``state``, ``token_states``, ``final_states`` are V-major views of any strides
-    (``[.., HV, V, K]``); ``config = (BLOCK_V, num_warps[, V_TILES])`` overrides the pinned choice."""
+    (``[.., HV, V, K]``); ``config = (BLOCK_V, num_warps[, V_TILES[, PREFETCH_TILE]])`` overrides the pinned choice."""
     _, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = cu_seqlens.numel() - 1 if cu_seqlens is not None else 1
     if N == 0 or HV == 0:
         return out
-    block_v, num_warps, *tiles = config or _launch_config(N, HV, V, K, q.shape[1])
+    block_v, num_warps, *tiles = config or _launch_config(N, HV, V, K, q.shape[1], k_major=state.stride(-1) != 1)
     v_tiles = tiles[0] if tiles else 1
+    prefetch_tile = bool(tiles[1]) if len(tiles) > 1 else True
     per_token = slot_indices.dim() == 2
     dummy = slot_indices  # never read: its constexpr flag is off
     grid = (N, HV, triton.cdiv(V, block_v * v_tiles))
@@ -185,7 +197,7 @@ def recurrent_forward_triton(q, k, v, g, beta, state, slot_indices, out, *, cu_s
          *state.stride(), *_strides4(token_states), *_strides4(final_states),
          slot_indices.stride(0), slot_indices.stride(1) if per_token else 0,
          float(scale), float(lower_bound) if lower_bound is not None else 0.0),
-        dict(H=H, HV=HV, K=K, V=V, BLOCK_K=triton.next_power_of_2(K), BLOCK_V=block_v, V_TILES=v_tiles,
+        dict(H=H, HV=HV, K=K, V=V, BLOCK_K=triton.next_power_of_2(K), BLOCK_V=block_v, V_TILES=v_tiles, PREFETCH_TILE=prefetch_tile,
              IS_VARLEN=cu_seqlens is not None, PER_TOKEN_SLOTS=per_token,
              HAS_NUM_ACCEPTED=num_accepted_tokens is not None, WRITE_STATE=bool(write_final_state),
              HAS_TOKEN_STATES=token_states is not None, HAS_FINAL_STATES=final_states is not None,
