@@ -174,14 +174,14 @@ def recurrent_forward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, 
                       use_qk_l2norm: bool, A_log: Optional[Tensor], dt_bias: Optional[Tensor],
                       lower_bound: Optional[float], beta_mode: int, num_accepted_tokens: Optional[Tensor],
                       token_states: Optional[Tensor], write_final_state: bool, final_states: Optional[Tensor],
-                      backend: Optional[str]) -> None:
+                      padding_rows: bool, backend: Optional[str]) -> None:
     """``beta_mode`` is one of ``ops.recurrent_forward.BETA_*``; ``final_states`` is fla's
     non-in-place output (the public native entry passes None)."""
     run_recurrent_forward(q, k, v, g, beta, state, slot_indices, out, cu_seqlens=cu_seqlens, scale=scale,
                           use_qk_l2norm=use_qk_l2norm, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
                           beta_mode=beta_mode, num_accepted_tokens=num_accepted_tokens,
                           token_states=token_states, write_final_state=write_final_state,
-                          final_states=final_states, backend=backend)
+                          final_states=final_states, padding_rows=padding_rows, backend=backend)
 
 
 OPS = {"packed_decode": packed_decode, "fused_decode": fused_decode, "causal_conv1d_update": causal_conv1d_update,

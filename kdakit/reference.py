@@ -174,12 +174,14 @@ def fused_decode(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, state, slot
 def recurrent_forward(q, k, v, g, beta, state, slot_indices, out, *, cu_seqlens=None, scale=None,
                       use_qk_l2norm=True, A_log=None, dt_bias=None, lower_bound=None, beta_is_logit=False,
                       num_accepted_tokens=None, token_states=None, write_final_state=True, final_states=None,
-                      compute_dtype=torch.float32):
+                      padding_rows=True, compute_dtype=torch.float32):
     """Varlen multi-token forward over ``[1, T, ...]`` inputs split by ``cu_seqlens``.
 
     ``g`` is the log-decay, or the raw gate when ``A_log`` is given (gate in kernel);
-    ``beta`` is β, or its logit when ``beta_is_logit``. A slot < 0 reads as a zero
-    state and is never written.
+    ``beta`` is β, or its logit when ``beta_is_logit``. A sequence whose (starting) slot
+    is < 0 is a padding row: its outputs, token states and final state are zeros and the
+    pool is not touched. With ``padding_rows=False`` (fla's ``initial_state=None``) it
+    instead starts from a zero state, computes its outputs, and writes no pool slot.
 
     - 1-D ``slot_indices [N]``: sequence ``n`` starts from ``state[slot_indices[n]]``;
       its final state is written back there when ``write_final_state``.
@@ -205,6 +207,13 @@ def recurrent_forward(q, k, v, g, beta, state, slot_indices, out, *, cu_seqlens=
             slot = int(slot_indices[n, start])
         else:
             slot = int(slot_indices[n])
+        if slot < 0 and padding_rows:
+            out[0, bounds[n]:bounds[n + 1]] = 0
+            if token_states is not None:
+                token_states[bounds[n]:bounds[n + 1]] = 0
+            if final_states is not None:
+                final_states[n] = 0
+            continue
         S = state[slot].to(cd) if slot >= 0 else torch.zeros(HV, V, K, dtype=cd, device=q.device)
         for i, t in enumerate(range(bounds[n], bounds[n + 1])):
             qt, kt = prepare_qk(q[0, t].to(cd), k[0, t].to(cd), HV, scale, use_qk_l2norm)

@@ -1,6 +1,7 @@
 """Run every op's Triton path on CPU tensors in compile-only mode (see kdakit/ops/launch.py):
 each launch is compiled for the H200 (sm_90) instead of run. Prints the kernels compiled.
 Run in a fresh process with KDAKIT_COMPILE_ONLY=sm_90 and without TRITON_INTERPRET."""
+import os
 import sys
 
 import torch
@@ -64,5 +65,13 @@ cu = torch.tensor([0, 2, 5], dtype=torch.int32)
 kdakit.recurrent_forward(rnd(1, 5, H, K), rnd(1, 5, H, K), rnd(1, 5, HV, V), rnd(1, 5, HV, K), rnd(1, 5, HV),
                          state, torch.tensor([0, 2], dtype=torch.int32), cu_seqlens=cu, A_log=A_log,
                          dt_bias=dt_bias, beta_is_logit=True, backend="triton")
+from kdakit.compat.fla import fused_recurrent_kda  # noqa: E402  (K-major pool, zero initial states)
+os.environ["KDAKIT_BACKEND"] = "triton"  # the compat entry has no backend argument
+fused_recurrent_kda(rnd(1, 5, H, K), rnd(1, 5, H, K), rnd(1, 5, HV, V), rnd(1, 5, HV, K, dtype=torch.float32),
+                    rnd(1, 5, HV, dtype=torch.float32), cu_seqlens=cu.long(), output_final_state=True)
+fused_recurrent_kda(rnd(1, 5, H, K), rnd(1, 5, H, K), rnd(1, 5, HV, V), rnd(1, 5, HV, K, dtype=torch.float32),
+                    rnd(1, 5, HV, dtype=torch.float32), initial_state=state[:2].transpose(-1, -2).contiguous(),
+                    cu_seqlens=cu.long(), output_final_state=True)
+assert COMPILED_FOR_TARGET[-2:] == ["_recurrent_forward_kernel"] * 2, COMPILED_FOR_TARGET[-3:]
 print(" ".join(COMPILED_FOR_TARGET))
 sys.exit(0)

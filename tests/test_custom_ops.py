@@ -339,7 +339,7 @@ def _opcheck_args(case):
     if case.startswith("recurrent_forward"):
         from kdakit.ops.recurrent_forward import BETA_SIGMOID
         return "recurrent_forward", (*args, kw["out"], kw["cu_seqlens"], None, True, kw["A_log"], kw["dt_bias"],
-                                     kw["lower_bound"], BETA_SIGMOID, None, kw["token_states"], True, None, None)
+                                     kw["lower_bound"], BETA_SIGMOID, None, kw["token_states"], True, None, True, None)
     raise AssertionError(case)
 
 

@@ -110,7 +110,7 @@ def run_case(backend, H, HV, K, V, *, seqlens=(3, 1, 0, 2), slots=7, slot_list=N
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("H,HV,K,V", SHAPES)
 def test_shapes_varlen_with_padding_slot(backend, H, HV, K, V):
-    # sequence 1 pads (slot -1): starts from zeros, never written; sequence 2 is empty.
+    # sequence 1 is a padding row (slot -1): zero outputs, no pool access; sequence 2 is empty.
     run_case(backend, H, HV, K, V, slot_list=[4, -1, 2, 0])
 
 
@@ -185,6 +185,10 @@ def test_against_fla_naive_varlen(backend, lower_bound):
     init = [before[s].transpose(-1, -2) if s >= 0 else None for s in idx.tolist()]
     o_fla, ts_fla, finals = fla_varlen(x["q"], x["k"], x["v"], g_log, torch.sigmoid(x["beta"]), cu, init,
                                        use_qk_l2norm=True)
+    for n, s in enumerate(idx.tolist()):  # a padding row (slot < 0): zero outputs and states
+        if s < 0:
+            o_fla[:, int(cu[n]):int(cu[n + 1])] = 0
+            ts_fla[int(cu[n]):int(cu[n + 1])] = 0
     token_states = torch.full((T, HV, V, K), POISON)
     out = recurrent_forward(x["q"], x["k"], x["v"], x["g"], x["beta"], state, idx, cu_seqlens=cu, A_log=A_log,
                             dt_bias=dt_bias, lower_bound=lower_bound, beta_is_logit=True,
@@ -194,6 +198,32 @@ def test_against_fla_naive_varlen(backend, lower_bound):
     for n, s in enumerate(idx.tolist()):
         if s >= 0:
             assert_close(state[s], finals[n].transpose(-1, -2), 1e-5, f"final state {n} vs fla naive")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("per_token", [False, True], ids=["1d-slots", "2d-slots"])
+def test_padding_row_is_zero_and_touches_no_pool(backend, per_token):
+    """SPEC: a sequence whose (starting) slot is < 0 writes zero outputs and token states and
+    reads or writes no pool slot, even with other tokens' slots set (2-D indices)."""
+    gen = torch.Generator().manual_seed(12)
+    H, HV, K, V = 1, 2, 16, 16
+    x, T = make_inputs(H, HV, K, V, [2, 2], gen=gen)
+    A_log, dt_bias = kda_params(HV, K, generator=gen)
+    state = random_pool(5, HV, V, K, torch.float32, generator=gen)
+    before = state.clone()
+    idx = (torch.tensor([[1, 3], [-1, 4]], dtype=torch.int32) if per_token
+           else torch.tensor([1, -1], dtype=torch.int32))
+    token_states = torch.full((T, HV, V, K), POISON)
+    out = torch.full((1, T, HV, V), POISON)
+    recurrent_forward(x["q"], x["k"], x["v"], x["g"], x["beta"], state, idx, cu_seqlens=cu_from([2, 2]),
+                      A_log=A_log, dt_bias=dt_bias, beta_is_logit=True, token_states=token_states, out=out,
+                      backend=backend)
+    assert torch.equal(out[:, 2:], torch.zeros_like(out[:, 2:])), "padding outputs are zero"
+    assert torch.equal(token_states[2:], torch.zeros_like(token_states[2:])), "padding token states are zero"
+    assert torch.isfinite(out[:, :2]).all() and not torch.equal(out[:, :2], torch.zeros_like(out[:, :2]))
+    untouched = [0, 2, 4] if per_token else [0, 2, 3, 4]
+    for s in untouched:
+        assert torch.equal(state[s], before[s]), f"slot {s} must stay bitwise"
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -157,7 +157,7 @@ def fused_recurrent_kda_fwd(
                           scale=scale, use_qk_l2norm=use_qk_l2norm_in_kernel, A_log=A_log, dt_bias=dt_bias,
                           lower_bound=lower_bound, beta_mode=beta_mode, num_accepted_tokens=num_accepted_tokens,
                           token_states=_v_major(token_states, state_v_first), write_final_state=write,
-                          final_states=_v_major(final_states, state_v_first))
+                          final_states=_v_major(final_states, state_v_first), padding_rows=False)
     return out, final_state
 
 

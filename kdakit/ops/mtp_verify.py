@@ -5,7 +5,8 @@ read-only. After step ``t`` the kernel writes either a full snapshot
 ``snapshots[row, t]`` or, in ring mode, the step's raw inputs (post-conv k
 before its L2 norm, v, log-decay g, β) at ring position ``t`` of the slot, so a
 later commit can replay any accepted prefix. Conv windows after step ``t`` go to
-``intermediate_conv[i][row, t]``. ``row = scratch_indices[n]``.
+``intermediate_conv[i][row, t]``. ``row = scratch_indices[n]``. With the short conv, a
+prologue kernel (``verify_conv.py``) convolves every channel once before the recurrence.
 """
 from __future__ import annotations
 

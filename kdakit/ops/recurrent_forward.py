@@ -4,8 +4,8 @@ Inputs are one flattened batch: ``q, k [1, T, H, K]``, ``v [1, T, HV, V]``,
 ``g [1, T, HV, K]`` (log-decay, or the raw gate when ``A_log`` is given),
 ``beta [1, T, HV]`` (β, or its logit), split into ``N`` sequences by ``cu_seqlens``.
 
-Slots (``state [slots, HV, V, K]``, V-major; a slot < 0 reads as a zero state and
-is never written):
+Slots (``state [slots, HV, V, K]``, V-major; a sequence whose starting slot is < 0 is
+a padding row: zero outputs and states, no pool access):
 - 1-D ``slot_indices [N]``: sequence ``n`` starts from ``state[slot_indices[n]]`` and
   its final state goes back there (``write_final_state``).
 - 2-D ``slot_indices [N, T_max]`` (fla's speculative serving path): sequence ``n``
@@ -54,6 +54,7 @@ def _recurrent_forward_kernel(
     IS_VARLEN: tl.constexpr, PER_TOKEN_SLOTS: tl.constexpr, HAS_NUM_ACCEPTED: tl.constexpr,
     WRITE_STATE: tl.constexpr, HAS_TOKEN_STATES: tl.constexpr, HAS_FINAL_STATES: tl.constexpr,
     USE_QK_L2NORM: tl.constexpr, GATE_IN_KERNEL: tl.constexpr, SAFE_GATE: tl.constexpr, BETA_MODE: tl.constexpr,
+    PADDING_ROWS: tl.constexpr,
 ):
     i_n, i_hv, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_hv // (HV // H)
@@ -76,6 +77,9 @@ def _recurrent_forward_kernel(
         slot = tl.load(slot_indices + n64 * stride_idx_n + i0 * stride_idx_t).to(tl.int64)
     else:
         slot = tl.load(slot_indices + i_n).to(tl.int64)
+    # A sequence starting from a slot < 0: with PADDING_ROWS a padding row (zero outputs and
+    # states, no pool access); without, fla's zero initial state (outputs computed).
+    keep = (slot >= 0) | (not PADDING_ROWS)
     if GATE_IN_KERNEL:
         A_log_h = tl.load(A_log + i_hv).to(tl.float32)
         bias = tl.load(dt_bias + i_hv * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
@@ -119,17 +123,17 @@ def _recurrent_forward_kernel(
             if BETA_MODE == 2:
                 b_t = tl.sigmoid(b_t) * 2.0
             S = delta_rule_update(S, k_t, v_t, g_t, b_t)
-            o = tl.sum(S * q_t[None, :], axis=1)
+            o = tl.where(keep, tl.sum(S * q_t[None, :], axis=1), 0.0)
             tl.store(out + t * stride_o_t + i_hv * stride_o_h + offs_v, o.to(out.dtype.element_ty), mask=mask_v)
             if HAS_TOKEN_STATES:
                 p_ts = token_states + t * stride_ts_t + i_hv * stride_ts_h
                 tl.store(p_ts + offs_v[:, None] * stride_ts_v + offs_k[None, :] * stride_ts_k,
-                         S.to(token_states.dtype.element_ty), mask=mask_s)
+                         tl.where(keep, S, 0.0).to(token_states.dtype.element_ty), mask=mask_s)
             if PER_TOKEN_SLOTS:
                 if WRITE_STATE:
                     slot_t = tl.load(slot_indices + n64 * stride_idx_n + (t - bos) * stride_idx_t).to(tl.int64)
                     tl.store(state + slot_t * stride_s_slot + tile, S.to(state.dtype.element_ty),
-                             mask=(slot_t >= 0) & mask_s)
+                             mask=(slot_t >= 0) & keep & mask_s)
             t += 1
 
         if not PER_TOKEN_SLOTS:
@@ -138,7 +142,7 @@ def _recurrent_forward_kernel(
         if HAS_FINAL_STATES:
             p_fs = final_states + n64 * stride_fs_n + i_hv * stride_fs_h
             tl.store(p_fs + offs_v[:, None] * stride_fs_v + offs_k[None, :] * stride_fs_k,
-                     S.to(final_states.dtype.element_ty), mask=mask_s)
+                     tl.where(keep, S, 0.0).to(final_states.dtype.element_ty), mask=mask_s)
 
 
 _recurrent_forward = CachedKernel(_recurrent_forward_kernel)
@@ -171,7 +175,7 @@ def _strides4(t):
 @register("recurrent_forward", "triton")
 def recurrent_forward_triton(q, k, v, g, beta, state, slot_indices, out, *, cu_seqlens, scale, use_qk_l2norm,
                              A_log, dt_bias, lower_bound, beta_mode, num_accepted_tokens, token_states,
-                             write_final_state, final_states, config=None):
+                             write_final_state, final_states, padding_rows=True, config=None):
     """``state``, ``token_states``, ``final_states`` are V-major views of any strides
     (``[.., HV, V, K]``); ``config = (BLOCK_V, num_warps[, V_TILES[, PREFETCH_TILE]])`` overrides the pinned choice."""
     _, T, H, K = q.shape
@@ -202,7 +206,7 @@ def recurrent_forward_triton(q, k, v, g, beta, state, slot_indices, out, *, cu_s
              HAS_NUM_ACCEPTED=num_accepted_tokens is not None, WRITE_STATE=bool(write_final_state),
              HAS_TOKEN_STATES=token_states is not None, HAS_FINAL_STATES=final_states is not None,
              USE_QK_L2NORM=bool(use_qk_l2norm), GATE_IN_KERNEL=A_log is not None,
-             SAFE_GATE=lower_bound is not None, BETA_MODE=int(beta_mode)),
+             SAFE_GATE=lower_bound is not None, BETA_MODE=int(beta_mode), PADDING_ROWS=bool(padding_rows)),
         num_warps=num_warps, num_stages=1)
     return out
 
@@ -210,23 +214,24 @@ def recurrent_forward_triton(q, k, v, g, beta, state, slot_indices, out, *, cu_s
 @register("recurrent_forward", "reference")
 def recurrent_forward_reference(q, k, v, g, beta, state, slot_indices, out, *, cu_seqlens, scale, use_qk_l2norm,
                                 A_log, dt_bias, lower_bound, beta_mode, num_accepted_tokens, token_states,
-                                write_final_state, final_states):
+                                write_final_state, final_states, padding_rows=True):
     if beta_mode == BETA_SIGMOID_X2:
         beta = 2.0 * torch.sigmoid(beta.float())
     return reference.recurrent_forward(
         q, k, v, g, beta, state, slot_indices, out, cu_seqlens=cu_seqlens, scale=scale, use_qk_l2norm=use_qk_l2norm,
         A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, beta_is_logit=beta_mode == BETA_SIGMOID,
         num_accepted_tokens=num_accepted_tokens, token_states=token_states, write_final_state=write_final_state,
-        final_states=final_states)
+        final_states=final_states, padding_rows=padding_rows)
 
 
 def run_recurrent_forward(q, k, v, g, beta, state, slot_indices, out, *, cu_seqlens=None, scale=None,
                           use_qk_l2norm=True, A_log=None, dt_bias=None, lower_bound=None, beta_mode=BETA_AS_IS,
                           num_accepted_tokens=None, token_states=None, write_final_state=True, final_states=None,
-                          backend=None):
+                          padding_rows=True, backend=None):
     """Dispatch after validation (callers check first). ``state``, ``token_states`` and
     ``final_states`` are V-major ``[.., HV, V, K]`` views of any strides; ``final_states
-    [N, HV, V, K]`` receives each sequence's final state (fla's non-in-place output)."""
+    [N, HV, V, K]`` receives each sequence's final state (fla's non-in-place output).
+    ``padding_rows=False``: a slot < 0 is a zero initial state (fla), not a padding row."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if A_log is not None:
         dt_bias = dt_bias.reshape(-1)
@@ -234,7 +239,7 @@ def run_recurrent_forward(q, k, v, g, beta, state, slot_indices, out, *, cu_seql
     return impl(q, k, v, g, beta, state, slot_indices, out, cu_seqlens=cu_seqlens, scale=scale,
                 use_qk_l2norm=use_qk_l2norm, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
                 beta_mode=beta_mode, num_accepted_tokens=num_accepted_tokens, token_states=token_states,
-                write_final_state=write_final_state, final_states=final_states)
+                write_final_state=write_final_state, final_states=final_states, padding_rows=padding_rows)
 
 
 def recurrent_forward(q, k, v, g, beta, state, slot_indices, *, cu_seqlens=None, scale=None, use_qk_l2norm=True,
@@ -261,7 +266,7 @@ def recurrent_forward(q, k, v, g, beta, state, slot_indices, *, cu_seqlens=None,
                                            None if scale is None else float(scale), bool(use_qk_l2norm), A_log,
                                            dt_bias, None if lower_bound is None else float(lower_bound),
                                            BETA_SIGMOID if beta_is_logit else BETA_AS_IS, num_accepted_tokens,
-                                           token_states, bool(write_final_state), None, backend)
+                                           token_states, bool(write_final_state), None, True, backend)
         return out
     return run_recurrent_forward(q, k, v, g, beta, state, slot_indices, out, cu_seqlens=cu_seqlens, scale=scale,
                                  use_qk_l2norm=use_qk_l2norm, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
