@@ -94,16 +94,30 @@ def test_recurrent_forward_matches_fla_naive(H, HV, K, V, raw_gate, lower_bound,
     else:
         beta_in = beta = torch.rand(1, T, HV, generator=gen, dtype=F64)
     state = random_pool(slots, HV, V, K, F64, generator=gen)
-    idx = pick_slots(slots, N, num_padding=1, generator=gen)  # the padding sequence starts from zeros
+    idx = pick_slots(slots, N, num_padding=1, generator=gen)
     before = state.clone()
-    out = torch.full((1, T, HV, V), POISON, dtype=F64)
-    token_states = torch.full((T, HV, V, K), POISON, dtype=F64)
 
-    result = reference.recurrent_forward(
-        q, k, v, g_in, beta_in, state, idx, out, cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm,
-        A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, beta_is_logit=beta_is_logit,
-        token_states=token_states, compute_dtype=F64)
-    assert result is out
+    def run(padding_rows):
+        out = torch.full((1, T, HV, V), POISON, dtype=F64)
+        token_states = torch.full((T, HV, V, K), POISON, dtype=F64)
+        result = reference.recurrent_forward(
+            q, k, v, g_in, beta_in, state, idx, out, cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm,
+            A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, beta_is_logit=beta_is_logit,
+            token_states=token_states, padding_rows=padding_rows, compute_dtype=F64)
+        assert result is out
+        return out, token_states
+
+    # SPEC: the sequence with slot < 0 is a padding row (zeros); the others as below.
+    pad_out, pad_states = run(True)
+    state.copy_(before)
+    # fla's semantics (compat, initial_state=None): the slot < 0 sequence starts from zeros.
+    out, token_states = run(False)
+    for n in range(N):
+        rows = slice(int(cu_seqlens[n]), int(cu_seqlens[n + 1]))
+        if int(idx[n]) < 0:
+            assert not pad_out[0, rows].any() and not pad_states[rows].any(), "padding row must be zero"
+        else:
+            assert torch.equal(pad_out[0, rows], out[0, rows]) and torch.equal(pad_states[rows], token_states[rows])
 
     # fla naive: K-major state [B, HV, K, V], log-space g, post-sigmoid beta, no L2 norm, float32 math.
     qn, kn = (hand_l2(q), hand_l2(k)) if use_qk_l2norm else (q, k)
