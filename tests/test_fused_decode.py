@@ -192,26 +192,39 @@ def test_fused_equals_unfused_triton_chain(act_dtype, H, HV, K, V, norm):
 # last to arrive shifts the q/k windows and norms).
 SINGLE_CONFIGS = [(32, 1, 1), (8, 2, 1), (4, 4, 2), (4, 4, 1, 1), (32, 1, 1, 1), (4, 4, 1, 2), (2, 8, 1, 2)]
 SPLIT_CONFIGS = [(4, 1, 1), (8, 1, 2), (2, 1, 1)]
-CONFIG_CASES = ([pytest.param(c, 2, 2, norm, id="bv{}-tiles{}-warps{}".format(*c) + f"-H2-norm{int(norm)}")
+
+
+def config_id(c):
+    return "bv{}-tiles{}-warps{}".format(*c) + (f"-ahead{c[3]}" if len(c) > 3 else "")
+
+
+CONFIG_CASES = ([pytest.param(c, 2, 2, norm, id=config_id(c) + f"-H2-norm{int(norm)}")
                  for c in SINGLE_CONFIGS + SPLIT_CONFIGS for norm in (True, False)]
-                + [pytest.param(c, H, HV, True, id="bv{}-tiles{}-warps{}".format(*c) + f"-gva-H{H}-HV{HV}")
+                + [pytest.param(c, H, HV, True, id=config_id(c) + f"-gva-H{H}-HV{HV}")
                    for c in [(32, 1, 1)] + SPLIT_CONFIGS for H, HV in ((1, 4), (2, 4))])
 
 
+@pytest.mark.parametrize("V", [16, 20], ids=["V16", "V20-partial-last-tile"])
 @pytest.mark.parametrize("config,H,HV,norm", CONFIG_CASES)
-def test_triton_configs(config, H, HV, norm):
+def test_triton_configs(config, H, HV, norm, V):
     """Every split of V over programs and tiles computes the same thing, shifts each q/k
-    window exactly once, and leaves the arrival counters at zero."""
+    window exactly once, leaves unused slots bitwise and the arrival counters at zero."""
     from kdakit.ops.launch import arrival_counters
-    t, kw = make_case(H, HV, 16, 16, norm=norm, batch=5, slots=9, num_padding=2, seed=14)
+    if config[1] > 1:  # one program per head streaming its tiles: as many tiles as cover V
+        config = (config[0], -(-V // config[0]), *config[2:])
+    t, kw = make_case(H, HV, 16, V, norm=norm, batch=5, slots=9, num_padding=2, seed=14)
+    before = {n: t[n].clone() for n in ("state", "conv_state")}
     ref_out, ref_state, ref_conv = ref_run(t, kw, scale=0.25)
-    out = torch.full((5, 1, HV, 16), POISON)
+    out = torch.full((5, 1, HV, V), POISON)
     fused_decode_triton(*(t[n] for n in ARGS), out, scale=0.25, lower_bound=None, norm_eps=1e-6,
                         config=config, **{"norm_gate": None, "norm_weight": None, **kw})
     live = t["slot_indices"][t["slot_indices"] >= 0].long()
     assert_close(out, ref_out, 1e-5)
     assert_close(t["state"][live], ref_state[live], 1e-5)
     assert torch.equal(t["conv_state"][live], ref_conv[live].float())
+    for s in untouched_slots(9, t["slot_indices"]):
+        for n in ("state", "conv_state"):
+            assert torch.equal(bits(t[n][s]), bits(before[n][s])), f"{n} slot {s} must stay bitwise"
     assert not arrival_counters(out.device, 5 * H).any(), "arrival counters must be back at zero"
 
 

@@ -89,8 +89,8 @@ CASES = [  # (mode, conv, norm, lower_bound, act, K, V, T)
 
 @pytest.mark.parametrize("mode", ["ring", "snapshot"])
 def test_verify_steep_decay_stays_finite(mode):
-    """A = exp(A_log) ~ 55 with the default gate: per-step log-decays of -50 and below.
-    The ring verify's closed form only ever exponentiates G_t - G_s <= 0."""
+    """A = exp(A_log) ~ 55 with the default gate: per-step log-decays of -50 and below
+    (exp underflows to 0; the state must decay, not turn NaN)."""
     p, d = make_problem(3, act=torch.float32, conv=False, T=8, K=16, V=16)
     p["A_log"] = torch.full_like(p["A_log"], 4.0)
     p["a"] = p["a"] * 4
@@ -187,8 +187,7 @@ def test_speculative_loop_equals_plain_decode_and_ring_equals_snapshot_bitwise(l
                 kdakit.commit_snapshots(state, None, slots, p["scratch_indices"], accept - 1,
                                         conv_states=conv_states, intermediate_conv=bufs["intermediate_conv"],
                                         backend="triton")
-        # The ring verify computes its outputs in closed form (ring_verify.py): float rounding apart.
-        assert_close(outs["ring"], outs["snapshot"], 2e-2, "ring vs snapshot verify outputs")
+        assert torch.equal(outs["snapshot"], outs["ring"]), "both modes run the same recurrence"
         assert torch.equal(pools["snapshot"][0], pools["ring"][0]), "ring commit must equal snapshot commit bitwise"
         # Plain decoding of each request's accepted tokens (requests differ in length: one at a time).
         for n in range(d["N"]):

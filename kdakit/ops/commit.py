@@ -51,7 +51,7 @@ def _commit_ring_kernel(
     slot = tl.load(slot_indices + i_n).to(tl.int64)
     steps = tl.load(accept_lens + i_n).to(tl.int32)
     active = (slot > null_block_id) & (slot >= 0) & (steps > 0)
-    num_steps = tl.where(active, steps, 0)
+    num_steps = tl.minimum(tl.where(active, steps, 0), ring_len)  # never past the ring, even unchecked
     mask_s = active & (mask_v[:, None] & mask_k[None, :])
     tile = i_hv * V * K + offs_v[:, None] * K + offs_k[None, :]
     s_ptrs = state + layer * s_state_layer + slot * s_state_slot + tile

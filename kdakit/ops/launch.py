@@ -107,7 +107,8 @@ def arrival_counters(device: torch.device, count: int) -> torch.Tensor:
     """``count`` int32 counters that are zero between launches (each kernel that counts
     arrivals on them resets what it used), one set per (device, stream) so that two
     streams never share one. A set is never freed: a CUDA graph captured with it keeps
-    its address even after a larger batch grew a new set."""
+    its address even after a larger batch grew a new set. Graphs captured on one stream
+    share its set: replay them one at a time, not concurrently on several streams."""
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     sets = _COUNTERS.setdefault((device, stream), [])
     if not sets or sets[-1].numel() < count:
