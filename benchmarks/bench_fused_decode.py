@@ -217,9 +217,9 @@ def config_call(layer, config, norm):
                                        config=config, **kw)
 
 
-# (BLOCK_V, V_TILES, num_warps[, tiles prefetched ahead]), with the norm: V split over
+# (BLOCK_V, V_TILES, num_warps[, PREFETCH_NEXT]), with the norm: V split over
 # programs (V_TILES 1), or one program per head streaming its tiles.
-SWEEP = [(c, True) for c in ((8, 16, 1, 1), (8, 16, 1, 2), (16, 8, 1, 2), (4, 32, 1, 2))]
+SWEEP = [(c, True) for c in ((16, 1, 1), (8, 16, 1, False), (8, 16, 1, True), (16, 8, 1, True))]
 
 
 def timings(results, quick: bool, sweep: bool = False):
@@ -240,7 +240,7 @@ def timings(results, quick: bool, sweep: bool = False):
                            ("chain conv+decode+norm", lambda l: chain_call(l, True)),
                            ("chain conv+decode", lambda l: chain_call(l, False)),
                            ("packed_decode alone", packed_call)) + tuple(
-                (f"fused{'+norm' if norm else ''}-bv{c[0]}-t{c[1]}-w{c[2]}" + (f"-prefetch{c[3]}" if len(c) > 3 else ""),
+                (f"fused{'+norm' if norm else ''}-bv{c[0]}-t{c[1]}-w{c[2]}" + (f"-prefetch{int(c[3])}" if len(c) > 3 else ""),
                  (lambda l, c=c, norm=norm: config_call(l, c, norm)))
                 for c, norm in (SWEEP if sweep else ())):
             try:

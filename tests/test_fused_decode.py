@@ -187,15 +187,15 @@ def test_fused_equals_unfused_triton_chain(act_dtype, H, HV, K, V, norm):
     assert_close(out, chain, 1e-6, "out vs unfused")
 
 
-# (BLOCK_V, V_TILES, num_warps[, tiles prefetched ahead]) and (H, HV, norm): one program per head
+# (BLOCK_V, V_TILES, num_warps[, PREFETCH_NEXT]) and (H, HV, norm): one program per head
 # streaming several tiles (H == HV only), or V split over several programs per head (the
 # last to arrive shifts the q/k windows and norms).
-SINGLE_CONFIGS = [(32, 1, 1), (8, 2, 1), (4, 4, 2), (4, 4, 1, 1), (32, 1, 1, 1), (4, 4, 1, 2), (2, 8, 1, 2)]
+SINGLE_CONFIGS = [(32, 1, 1), (8, 2, 1), (4, 4, 2), (4, 4, 1, True), (32, 1, 1, True), (2, 8, 1, True)]
 SPLIT_CONFIGS = [(4, 1, 1), (8, 1, 2), (2, 1, 1)]
 
 
 def config_id(c):
-    return "bv{}-tiles{}-warps{}".format(*c) + (f"-ahead{c[3]}" if len(c) > 3 else "")
+    return "bv{}-tiles{}-warps{}".format(*c) + ("-prefetch" if len(c) > 3 and c[3] else "")
 
 
 CONFIG_CASES = ([pytest.param(c, 2, 2, norm, id=config_id(c) + f"-H2-norm{int(norm)}")

@@ -63,7 +63,7 @@ def _fused_decode_kernel(
     scale, lower_bound, norm_eps,
     H: tl.constexpr, HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, V_TILES: tl.constexpr, PROGRAMS_PER_HEAD: tl.constexpr,
-    TILES_AHEAD: tl.constexpr, BLOCK_V_ROW: tl.constexpr, BLOCK_TAPS: tl.constexpr,
+    PREFETCH_NEXT: tl.constexpr, BLOCK_V_ROW: tl.constexpr, BLOCK_TAPS: tl.constexpr,
     HAS_CONV_BIAS: tl.constexpr, SAFE_GATE: tl.constexpr, HAS_NORM: tl.constexpr,
 ):
     # A program owns V_TILES tiles of BLOCK_V state rows of one (request, value head). The
@@ -87,7 +87,7 @@ def _fused_decode_kernel(
     # 64-bit offsets: slot * stride passes 2**31 in real pools.
     win_row = conv_state + slot * stride_conv_slot
     head_state = state + slot * stride_state_slot + i_hv * V * K
-    if V_TILES == 1 and TILES_AHEAD == 0:
+    if V_TILES == 1 and not PREFETCH_NEXT:
         # Issue the state load before the conv, so its HBM latency overlaps the conv's loads.
         offs_v0 = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
         S0 = tl.load(head_state + offs_v0[:, None] * K + offs_k[None, :],
@@ -127,27 +127,19 @@ def _fused_decode_kernel(
         tl.store(s_ptrs, S.to(state.dtype.element_ty), mask=mask_s)
         is_last = arrived == GROUP * PROGRAMS_PER_HEAD - 1
     else:
-        # The next TILES_AHEAD tiles (0, 1 or 2): their state loads are in flight while this
-        # tile computes.
-        if TILES_AHEAD >= 1:
+        if PREFETCH_NEXT:  # the next tile's state load is in flight while this tile computes
             S_next = _load_tile(head_state, 0, BLOCK_V, offs_k, mask_k, live, V, K)
-        if TILES_AHEAD >= 2:
-            S_next2 = _load_tile(head_state, BLOCK_V, BLOCK_V, offs_k, mask_k, live, V, K)
         for tile in range(V_TILES):
             offs_v = tile * BLOCK_V + tl.arange(0, BLOCK_V)
-            if TILES_AHEAD == 1:
+            if PREFETCH_NEXT:
                 S_cur = S_next
                 S_next = _load_tile(head_state, (tile + 1) * BLOCK_V, BLOCK_V, offs_k, mask_k, live, V, K)
-            elif TILES_AHEAD == 2:
-                S_cur = S_next
-                S_next = S_next2
-                S_next2 = _load_tile(head_state, (tile + 2) * BLOCK_V, BLOCK_V, offs_k, mask_k, live, V, K)
             else:
                 S_cur = S0 if V_TILES == 1 else None
             S, o, s_ptrs, mask_s = _value_tile(row, win_row, conv_weight, conv_bias, stride_conv_chan,
                                                stride_conv_tap, head_state, S_cur, offs_v, offs_k, mask_k, live,
                                                q, k, g, beta, v_chan0, V, K, W, BLOCK_TAPS, HAS_CONV_BIAS,
-                                               TILES_AHEAD > 0 or V_TILES == 1)
+                                               PREFETCH_NEXT or V_TILES == 1)
             tl.store(s_ptrs, S.to(state.dtype.element_ty), mask=mask_s)
             tl.store(o_row_ptrs + offs_v, o.to(out.dtype.element_ty), mask=offs_v < V)
         tl.debug_barrier()  # the norm below reads o rows that other threads stored
@@ -175,7 +167,7 @@ _fused_decode = CachedKernel(_fused_decode_kernel)
 
 
 def _launch_config(batch: int, H: int, HV: int, V: int, K: int) -> tuple:
-    """(BLOCK_V, V_TILES, num_warps[, tiles prefetched ahead]), pinned from the H200 sweeps
+    """(BLOCK_V, V_TILES, num_warps[, PREFETCH_NEXT]), pinned from the H200 sweeps
     (benchmarks/results/fused_decode_*sweep_h200.json): up to 64 (request, head) pairs, V
     split over programs of 8 KB of state rows (N = 1: 7.5 us against 28 us for one program
     per head); beyond, one one-warp program per head streams 4 KB tiles with the next
@@ -186,13 +178,13 @@ def _launch_config(batch: int, H: int, HV: int, V: int, K: int) -> tuple:
         return 2 * rows, 1, 1
     if HV != H:
         return rows, 1, 1
-    return rows, triton.cdiv(V, rows), 1, 1
+    return rows, triton.cdiv(V, rows), 1, True
 
 
 @register("fused_decode", "triton")
 def fused_decode_triton(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, state, slot_indices, out, *,
                         conv_bias, scale, lower_bound, norm_gate, norm_weight, norm_eps, config=None):
-    """``config = (BLOCK_V, V_TILES, num_warps[, tiles prefetched ahead])`` overrides the pinned choice (sweeps)."""
+    """``config = (BLOCK_V, V_TILES, num_warps[, PREFETCH_NEXT])`` overrides the pinned choice (sweeps)."""
     B = qkv.shape[0]
     _, HV, V, K = state.shape
     H = reference.infer_packed_heads(qkv.shape[1], HV, V, K)
@@ -214,7 +206,7 @@ def fused_decode_triton(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, stat
          state.stride(0), norm_gate.stride(0) if has_norm else 0,
          float(scale), float(lower_bound) if lower_bound is not None else 0.0, float(norm_eps)),
         dict(H=H, HV=HV, GROUP=HV // H, K=K, V=V, W=W, BLOCK_K=triton.next_power_of_2(K), BLOCK_V=block_v,
-             V_TILES=v_tiles, PROGRAMS_PER_HEAD=programs_per_head, TILES_AHEAD=int(prefetch[0]) if prefetch and not split else 0, BLOCK_V_ROW=triton.next_power_of_2(V),
+             V_TILES=v_tiles, PROGRAMS_PER_HEAD=programs_per_head, PREFETCH_NEXT=bool(prefetch[0]) if prefetch and not split else False, BLOCK_V_ROW=triton.next_power_of_2(V),
              BLOCK_TAPS=triton.next_power_of_2(W - 1), HAS_CONV_BIAS=conv_bias is not None,
              SAFE_GATE=lower_bound is not None, HAS_NORM=has_norm),
         num_warps=num_warps, num_stages=1)
