@@ -18,40 +18,26 @@ import triton.language as tl
 from .. import contracts, reference
 from ..backends import register, select
 from .launch import CachedKernel, arrival_counters
-from .triton_math import (delta_rule_update, gated_rmsnorm_rows, kda_log_decay, l2_normalize, shift_window,
-                          short_conv, short_conv_update)
+from .triton_math import (conv_apply, conv_inputs, delta_rule_update, gated_rmsnorm_rows, kda_log_decay,
+                          l2_normalize, shift_window, short_conv)
 
 
 @triton.jit
-def _value_tile(row, win_row, conv_weight, conv_bias, stride_conv_chan, stride_conv_tap, head_state, S_loaded,
-                offs_v, offs_k, mask_k, live, q, k, g, beta, v_chan0,
-                V: tl.constexpr, K: tl.constexpr, W: tl.constexpr, BLOCK_TAPS: tl.constexpr,
-                HAS_CONV_BIAS: tl.constexpr, LOADED: tl.constexpr):
-    """One tile of state rows: the v conv of its channels (window shifted in place: this
-    program owns them), the recurrence, and o. Returns (updated tile, o, its pointers, mask)."""
-    mask_v = offs_v < V
-    v_chan = v_chan0 + offs_v
-    v = short_conv_update(row + v_chan, win_row + v_chan.to(tl.int64) * stride_conv_chan,
-                          conv_weight + v_chan * W, conv_bias + v_chan, stride_conv_tap, mask_v, live,
-                          W, BLOCK_TAPS, HAS_CONV_BIAS)
-    s_ptrs = head_state + offs_v[:, None] * K + offs_k[None, :]
-    mask_s = live & (mask_v[:, None] & mask_k[None, :])
-    if LOADED:
-        S = S_loaded.to(tl.float32)
-    else:
-        S = tl.load(s_ptrs, mask=mask_s, other=0.0).to(tl.float32)
-    S = delta_rule_update(S, k, v, g, beta)
-    o = tl.where(live, tl.sum(S * q[None, :], axis=1), 0.0)
-    return S, o, s_ptrs, mask_s
-
-
-@triton.jit
-def _load_tile(head_state, first_row, BLOCK_V: tl.constexpr, offs_k, mask_k, live, V: tl.constexpr,
-               K: tl.constexpr):
-    """State rows first_row .. first_row+BLOCK_V-1 (none past V) as loaded."""
-    offs_v = first_row + tl.arange(0, BLOCK_V)
+def _load_tile(head_state, offs_v, offs_k, mask_k, in_use, V: tl.constexpr, K: tl.constexpr):
+    """State rows ``offs_v`` (none past V) as stored; nothing read where not ``in_use``."""
     return tl.load(head_state + offs_v[:, None] * K + offs_k[None, :],
-                   mask=live & ((offs_v < V)[:, None] & mask_k[None, :]), other=0.0)
+                   mask=in_use & ((offs_v < V)[:, None] & mask_k[None, :]), other=0.0)
+
+
+@triton.jit
+def _v_conv_inputs(row, win_row, conv_weight, conv_bias, stride_conv_chan, stride_conv_tap, v_chan0, offs_v,
+                   in_use, live, V: tl.constexpr, W: tl.constexpr, BLOCK_TAPS: tl.constexpr,
+                   HAS_CONV_BIAS: tl.constexpr):
+    """The v-conv loads of state rows ``offs_v`` (``conv_inputs``); nothing read where not ``in_use``."""
+    v_chan = v_chan0 + offs_v
+    return conv_inputs(row + v_chan, win_row + v_chan.to(tl.int64) * stride_conv_chan, conv_weight + v_chan * W,
+                       conv_bias + v_chan, stride_conv_tap, (offs_v < V) & in_use, live, W, BLOCK_TAPS,
+                       HAS_CONV_BIAS)
 
 
 @triton.jit
@@ -63,20 +49,22 @@ def _fused_decode_kernel(
     scale, lower_bound, norm_eps,
     H: tl.constexpr, HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, V_TILES: tl.constexpr, PROGRAMS_PER_HEAD: tl.constexpr,
-    PREFETCH_NEXT: tl.constexpr, BLOCK_V_ROW: tl.constexpr, BLOCK_TAPS: tl.constexpr,
+    BLOCK_V_ROW: tl.constexpr, BLOCK_TAPS: tl.constexpr,
     HAS_CONV_BIAS: tl.constexpr, SAFE_GATE: tl.constexpr, HAS_NORM: tl.constexpr,
 ):
-    # A program owns V_TILES tiles of BLOCK_V state rows of one (request, value head). The
-    # q/k conv of a key head is needed by every program of its group, and their windows are
-    # shifted in place: the shifted q/k windows may be written only once every program of
-    # the key head has read the old ones. With one program per key head (large batch: it
-    # streams all of V in small tiles) that program does it all. Split over several programs
-    # (small batch: more bytes in flight), each computes the q/k conv itself and counts its
-    # arrival on `arrivals[request, key head]` once its window reads and o stores are done;
-    # the LAST to arrive writes the shifted q/k windows, norms the o rows (which need all of
-    # V) and resets the counter. Its state tile is stored after the arrival, so the ordering
-    # fence waits only for the small o stores.
+    # A program owns V_TILES tiles of BLOCK_V state rows of one (request, value head) and
+    # streams them, the next tile's state rows and v-conv inputs loading while this tile
+    # computes. The q/k conv of a key head is needed by every program of its group, and
+    # their windows are shifted in place: the shifted q/k windows may be written only once
+    # every program of the key head has read the old ones. With one program per key head
+    # that program does it all. Split over several programs (more bytes in flight), each
+    # computes the q/k conv itself and counts its arrival on `arrivals[request, key head]`
+    # once its window reads and o stores are done; the LAST to arrive writes the shifted q/k
+    # windows, norms the o rows (which need all of V) and resets the counter. Its last
+    # state tile is stored after the arrival, so the ordering fence waits for less.
     SPLIT: tl.constexpr = GROUP * PROGRAMS_PER_HEAD > 1
+    # One tile holds the whole row of V: the norm runs on registers, no o round trip.
+    FULL_ROW: tl.constexpr = (not SPLIT) and V_TILES == 1 and BLOCK_V >= V
     i_v, i_hv, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_hv // GROUP
     offs_k = tl.arange(0, BLOCK_K)
@@ -87,11 +75,19 @@ def _fused_decode_kernel(
     # 64-bit offsets: slot * stride passes 2**31 in real pools.
     win_row = conv_state + slot * stride_conv_slot
     head_state = state + slot * stride_state_slot + i_hv * V * K
-    if V_TILES == 1 and not PREFETCH_NEXT:
-        # Issue the state load before the conv, so its HBM latency overlaps the conv's loads.
-        offs_v0 = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
-        S0 = tl.load(head_state + offs_v0[:, None] * K + offs_k[None, :],
-                     mask=live & ((offs_v0 < V)[:, None] & mask_k[None, :]), other=0.0)
+    v_chan0 = 2 * H * K + i_hv * V
+    first_row = i_v * (V_TILES * BLOCK_V)
+
+    # The first tile's loads are issued before the q/k conv, so their latency overlaps it.
+    offs_v = first_row + tl.arange(0, BLOCK_V)
+    S_next = _load_tile(head_state, offs_v, offs_k, mask_k, live, V, K)
+    vx, vwin, vw, vw_x, vbias = _v_conv_inputs(row, win_row, conv_weight, conv_bias, stride_conv_chan,
+                                               stride_conv_tap, v_chan0, offs_v, True, live, V, W, BLOCK_TAPS,
+                                               HAS_CONV_BIAS)
+    if FULL_ROW and HAS_NORM:
+        gate_row = tl.load(norm_gate + i_b.to(tl.int64) * stride_gate_row + i_hv * V + offs_v, mask=offs_v < V,
+                           other=0.0).to(tl.float32)
+        weight_row = tl.load(norm_weight + offs_v, mask=offs_v < V, other=0.0)
 
     q_chan = i_h * K + offs_k
     k_chan = (H + i_h) * K + offs_k
@@ -110,44 +106,53 @@ def _fused_decode_kernel(
     g = kda_log_decay(a_raw.to(tl.float32), bias.to(tl.float32), A_log_h.to(tl.float32), lower_bound, SAFE_GATE)
     beta = tl.sigmoid(b_raw.to(tl.float32))
     o_row_ptrs = out + (i_b * HV + i_hv) * V
-    v_chan0 = 2 * H * K + i_hv * V
 
-    if SPLIT:  # V_TILES == 1 (the launcher's rule)
-        S, o, s_ptrs, mask_s = _value_tile(row, win_row, conv_weight, conv_bias, stride_conv_chan, stride_conv_tap,
-                                           head_state, S0, offs_v0, offs_k, mask_k, live, q, k, g, beta, v_chan0,
-                                           V, K, W, BLOCK_TAPS, HAS_CONV_BIAS, True)
-        # With the norm this is o before it, rounded to out's dtype as the unfused chain does.
-        tl.store(o_row_ptrs + offs_v0, o.to(out.dtype.element_ty), mask=offs_v0 < V)
+    S = tl.zeros([BLOCK_V, BLOCK_K], dtype=tl.float32)
+    for tile in range(V_TILES):
+        offs_v = first_row + tile * BLOCK_V + tl.arange(0, BLOCK_V)
+        mask_v = offs_v < V
+        S_cur, x_cur, win_cur, w_cur, w_x_cur, bias_cur = S_next, vx, vwin, vw, vw_x, vbias
+        has_next = tile + 1 < V_TILES
+        S_next = _load_tile(head_state, offs_v + BLOCK_V, offs_k, mask_k, live & has_next, V, K)
+        vx, vwin, vw, vw_x, vbias = _v_conv_inputs(row, win_row, conv_weight, conv_bias, stride_conv_chan,
+                                                   stride_conv_tap, v_chan0, offs_v + BLOCK_V, has_next, live, V,
+                                                   W, BLOCK_TAPS, HAS_CONV_BIAS)
+        v = conv_apply(x_cur, win_cur, w_cur, w_x_cur, bias_cur, W, BLOCK_TAPS, HAS_CONV_BIAS)
+        S = delta_rule_update(S_cur.to(tl.float32), k, v, g, beta)
+        o = tl.where(live, tl.sum(S * q[None, :], axis=1), 0.0)
+        # A window tap may be held by several threads (replicated layouts): every thread has
+        # read this tile's old v windows before any thread writes the shifted ones.
+        tl.debug_barrier()
+        v_chan = v_chan0 + offs_v
+        shift_window(win_row + v_chan.to(tl.int64) * stride_conv_chan, win_cur, x_cur, stride_conv_tap, mask_v, live,
+                     W, BLOCK_TAPS)
+        if FULL_ROW and HAS_NORM:  # o rounded to out's dtype first, as the unfused chain stores it
+            o = gated_rmsnorm_rows(o.to(out.dtype.element_ty).to(tl.float32), gate_row, weight_row, norm_eps, V)
+        # With the norm on a split row this is o before it, rounded as the unfused chain does.
+        tl.store(o_row_ptrs + offs_v, o.to(out.dtype.element_ty), mask=mask_v)
+        store_now = live & (mask_v[:, None] & mask_k[None, :])
+        if SPLIT:  # the last tile is stored after the arrival
+            store_now = store_now & (tile < V_TILES - 1)
+        tl.store(head_state + offs_v[:, None] * K + offs_k[None, :], S.to(state.dtype.element_ty), mask=store_now)
+
+    if SPLIT:
         # Every thread's window reads and o stores precede the arrival (release); the last
         # program's reads of the other programs' o follow it (acquire).
         tl.debug_barrier()
         counter = arrivals + i_b * H + i_h
         arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
         tl.debug_barrier()
-        tl.store(s_ptrs, S.to(state.dtype.element_ty), mask=mask_s)
+        offs_v = first_row + (V_TILES - 1) * BLOCK_V + tl.arange(0, BLOCK_V)
+        tl.store(head_state + offs_v[:, None] * K + offs_k[None, :], S.to(state.dtype.element_ty),
+                 mask=live & ((offs_v < V)[:, None] & mask_k[None, :]))
         is_last = arrived == GROUP * PROGRAMS_PER_HEAD - 1
     else:
-        if PREFETCH_NEXT:  # the next tile's state load is in flight while this tile computes
-            S_next = _load_tile(head_state, 0, BLOCK_V, offs_k, mask_k, live, V, K)
-        for tile in range(V_TILES):
-            offs_v = tile * BLOCK_V + tl.arange(0, BLOCK_V)
-            if PREFETCH_NEXT:
-                S_cur = S_next
-                S_next = _load_tile(head_state, (tile + 1) * BLOCK_V, BLOCK_V, offs_k, mask_k, live, V, K)
-            else:
-                S_cur = S0 if V_TILES == 1 else None
-            S, o, s_ptrs, mask_s = _value_tile(row, win_row, conv_weight, conv_bias, stride_conv_chan,
-                                               stride_conv_tap, head_state, S_cur, offs_v, offs_k, mask_k, live,
-                                               q, k, g, beta, v_chan0, V, K, W, BLOCK_TAPS, HAS_CONV_BIAS,
-                                               PREFETCH_NEXT or V_TILES == 1)
-            tl.store(s_ptrs, S.to(state.dtype.element_ty), mask=mask_s)
-            tl.store(o_row_ptrs + offs_v, o.to(out.dtype.element_ty), mask=offs_v < V)
         tl.debug_barrier()  # the norm below reads o rows that other threads stored
         is_last = True
     if is_last:
         shift_window(q_win, q_old, q_x, stride_conv_tap, mask_k, live, W, BLOCK_TAPS)
         shift_window(k_win, k_old, k_x, stride_conv_tap, mask_k, live, W, BLOCK_TAPS)
-        if HAS_NORM:
+        if HAS_NORM and not FULL_ROW:
             offs_row = tl.arange(0, BLOCK_V_ROW)
             mask_row = offs_row < V
             w = tl.load(norm_weight + offs_row, mask=mask_row, other=0.0)
@@ -167,35 +172,32 @@ _fused_decode = CachedKernel(_fused_decode_kernel)
 
 
 def _launch_config(batch: int, H: int, HV: int, V: int, K: int) -> tuple:
-    """(BLOCK_V, V_TILES, num_warps[, PREFETCH_NEXT]), pinned from the H200 sweeps
+    """(BLOCK_V, V_TILES, num_warps), pinned from the H200 sweeps
     (benchmarks/results/fused_decode_*sweep_h200.json): up to 64 (request, head) pairs, V
     split over programs of 8 KB of state rows (N = 1: 7.5 us against 28 us for one program
-    per head); beyond, one one-warp program per head streams 4 KB tiles with the next
-    tile's load in flight (N = 32: 46.0 us against 63.0 us split). GVA always splits
-    (V_TILES must then be 1)."""
+    per head); beyond, one one-warp program per head streams 4 KB tiles (N = 32: 46.0 us
+    against 63.0 us split)."""
     rows = max(1, min(triton.next_power_of_2(V), 4096 // (triton.next_power_of_2(K) * 4)))
-    if batch * HV <= 64:
-        return 2 * rows, 1, 1
-    if HV != H:
-        return rows, 1, 1
-    return rows, triton.cdiv(V, rows), 1, True
+    if batch * HV <= 64 or HV != H:
+        return 2 * rows if batch * HV <= 64 else rows, 1, 1
+    return rows, triton.cdiv(V, rows), 1
 
 
 @register("fused_decode", "triton")
 def fused_decode_triton(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, state, slot_indices, out, *,
                         conv_bias, scale, lower_bound, norm_gate, norm_weight, norm_eps, config=None):
-    """``config = (BLOCK_V, V_TILES, num_warps[, PREFETCH_NEXT])`` overrides the pinned choice (sweeps)."""
+    """``config = (BLOCK_V, V_TILES, num_warps)`` overrides the pinned choice (sweeps): each
+    program streams V_TILES tiles of BLOCK_V rows; as many programs per head as cover V."""
     B = qkv.shape[0]
     _, HV, V, K = state.shape
     H = reference.infer_packed_heads(qkv.shape[1], HV, V, K)
     if B == 0:
         return out
     has_norm = norm_weight is not None
-    block_v, v_tiles, num_warps, *prefetch = config or _launch_config(B, H, HV, V, K)
+    block_v, v_tiles, num_warps = config or _launch_config(B, H, HV, V, K)
+    v_tiles = min(v_tiles, triton.cdiv(V, block_v))  # no program streams tiles past V
     programs_per_head = triton.cdiv(V, block_v * v_tiles)
     split = programs_per_head * (HV // H) > 1
-    if split and v_tiles != 1:
-        raise ValueError(f"fused_decode config {config}: V split over programs needs V_TILES == 1.")
     W = conv_weight.shape[1]
     _fused_decode(
         (programs_per_head, HV, B),
@@ -206,7 +208,7 @@ def fused_decode_triton(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, stat
          state.stride(0), norm_gate.stride(0) if has_norm else 0,
          float(scale), float(lower_bound) if lower_bound is not None else 0.0, float(norm_eps)),
         dict(H=H, HV=HV, GROUP=HV // H, K=K, V=V, W=W, BLOCK_K=triton.next_power_of_2(K), BLOCK_V=block_v,
-             V_TILES=v_tiles, PROGRAMS_PER_HEAD=programs_per_head, PREFETCH_NEXT=bool(prefetch[0]) if prefetch and not split else False, BLOCK_V_ROW=triton.next_power_of_2(V),
+             V_TILES=v_tiles, PROGRAMS_PER_HEAD=programs_per_head, BLOCK_V_ROW=triton.next_power_of_2(V),
              BLOCK_TAPS=triton.next_power_of_2(W - 1), HAS_CONV_BIAS=conv_bias is not None,
              SAFE_GATE=lower_bound is not None, HAS_NORM=has_norm),
         num_warps=num_warps, num_stages=1)

@@ -46,33 +46,58 @@ def gated_rmsnorm_rows(o, gate, weight, eps, V: tl.constexpr):
 
 
 @triton.jit
-def short_conv(x_ptrs, win_ptrs, w_ptrs, bias_ptrs, stride_tap, mask, live,
-               W: tl.constexpr, BLOCK_TAPS: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """One token of the causal short conv with SiLU for a block of channels; reads only.
+def conv_inputs(x_ptrs, win_ptrs, w_ptrs, bias_ptrs, stride_tap, mask, live,
+                W: tl.constexpr, BLOCK_TAPS: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """The loads of one token of the causal short conv for a block of channels, apart from
+    its arithmetic (``conv_apply``), so a kernel can issue them early.
 
     ``x_ptrs``: the token's inputs; ``win_ptrs``: tap 0 (oldest) of each channel's window,
     taps ``stride_tap`` apart; ``w_ptrs``: each channel's row of a contiguous ``[C, W]``
     float32 weight; ``bias_ptrs`` read only with ``HAS_BIAS``; ``mask``: channel lanes;
-    ``live``: scalar, False for padding rows (no window access). Returns the post-conv
-    values in float32, rounded to the input dtype exactly as an unfused conv stores them,
-    and the old window and the input, which ``shift_window`` stores.
+    ``live``: scalar, False for padding rows (no window access). Returns the input, the
+    old window, the weights of the window taps, the weight of the input, and the bias.
     """
     taps = tl.arange(0, BLOCK_TAPS)
-    win_mask = (mask & live)[:, None] & (taps[None, :] < W - 1)
+    tap_mask = mask[:, None] & (taps[None, :] < W - 1)
     x = tl.load(x_ptrs, mask=mask, other=0.0)
-    win = tl.load(win_ptrs[:, None] + taps[None, :] * stride_tap, mask=win_mask, other=0.0)
+    win = tl.load(win_ptrs[:, None] + taps[None, :] * stride_tap, mask=tap_mask & live, other=0.0)
+    w_taps = tl.load(w_ptrs[:, None] + taps[None, :], mask=tap_mask, other=0.0)
+    w_x = tl.load(w_ptrs + (W - 1), mask=mask, other=0.0)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptrs, mask=mask, other=0.0)
+    else:
+        bias = tl.zeros_like(w_x)
+    return x, win, w_taps, w_x, bias
+
+
+@triton.jit
+def conv_apply(x, win, w_taps, w_x, bias, W: tl.constexpr, BLOCK_TAPS: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """The conv with SiLU from ``conv_inputs``' loads, in float32, rounded to the input dtype
+    exactly as an unfused conv stores it."""
+    taps = tl.arange(0, BLOCK_TAPS)
     winf = win.to(tl.float32)
-    # Taps are summed oldest first in a fixed order (each one picked out exactly), so every
-    # kernel that calls this rounds the same whatever tile layout the compiler picks.
+    # Taps are summed oldest first in a fixed order (each tap and weight picked out exactly:
+    # one value plus zeros), so every kernel that calls this rounds the same whatever tile
+    # layout the compiler picks.
     acc = tl.zeros_like(x.to(tl.float32))
     for j in tl.static_range(W - 1):
         tap = tl.sum(tl.where(taps[None, :] == j, winf, 0.0), axis=1)
-        acc += tl.load(w_ptrs + j, mask=mask, other=0.0) * tap
-    acc += tl.load(w_ptrs + (W - 1), mask=mask, other=0.0) * x.to(tl.float32)
+        acc += tl.sum(tl.where(taps[None, :] == j, w_taps, 0.0), axis=1) * tap
+    acc += w_x * x.to(tl.float32)
     if HAS_BIAS:
-        acc += tl.load(bias_ptrs, mask=mask, other=0.0)
-    y = (acc * tl.sigmoid(acc)).to(x.dtype).to(tl.float32)
-    return y, win, x
+        acc += bias
+    return (acc * tl.sigmoid(acc)).to(x.dtype).to(tl.float32)
+
+
+@triton.jit
+def short_conv(x_ptrs, win_ptrs, w_ptrs, bias_ptrs, stride_tap, mask, live,
+               W: tl.constexpr, BLOCK_TAPS: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """One token of the causal short conv with SiLU (``conv_inputs`` then ``conv_apply``);
+    reads only. Returns the post-conv values in float32 and the old window and the input,
+    which ``shift_window`` stores."""
+    x, win, w_taps, w_x, bias = conv_inputs(x_ptrs, win_ptrs, w_ptrs, bias_ptrs, stride_tap, mask, live,
+                                            W, BLOCK_TAPS, HAS_BIAS)
+    return conv_apply(x, win, w_taps, w_x, bias, W, BLOCK_TAPS, HAS_BIAS), win, x
 
 
 @triton.jit
