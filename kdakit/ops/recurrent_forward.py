@@ -39,6 +39,20 @@ def _load_state_tile(head_state, offs_v, offs_k, stride_v, stride_k, mask):
 
 
 @triton.jit
+def _load_token(q, k, v, g, beta, t, in_seq, i_h, i_hv, offs_k, mask_k, offs_v, mask_v,
+                stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_g_t, stride_g_h,
+                stride_b_t, stride_b_h):
+    """Token t's q, k, g, beta, v rows in float32; nothing read where not ``in_seq``."""
+    m_k = mask_k & in_seq
+    q_t = tl.load(q + t * stride_q_t + i_h * stride_q_h + offs_k, mask=m_k, other=0.0).to(tl.float32)
+    k_t = tl.load(k + t * stride_k_t + i_h * stride_k_h + offs_k, mask=m_k, other=0.0).to(tl.float32)
+    g_t = tl.load(g + t * stride_g_t + i_hv * stride_g_h + offs_k, mask=m_k, other=0.0).to(tl.float32)
+    b_t = tl.load(beta + t * stride_b_t + i_hv * stride_b_h, mask=in_seq, other=0.0).to(tl.float32)
+    v_t = tl.load(v + t * stride_v_t + i_hv * stride_v_h + offs_v, mask=mask_v & in_seq, other=0.0).to(tl.float32)
+    return q_t, k_t, g_t, b_t, v_t
+
+
+@triton.jit
 def _recurrent_forward_kernel(
     q, k, v, g, beta, A_log, dt_bias, out, state, slot_indices, num_accepted, cu_seqlens, token_states, final_states,
     T,
@@ -105,13 +119,18 @@ def _recurrent_forward_kernel(
             S_next = _load_state_tile(state + slot * stride_s_slot + i_hv * stride_s_h, next_v, offs_k, stride_s_v,
                                       stride_s_k, (slot >= 0) & (next_v < V)[:, None] & mask_k[None, :])
 
+        # Each token's loads are issued while the previous token computes (the first one's
+        # alongside the state load), so the per-token load latency is off the serial chain.
+        q_n, k_n, g_n, b_n, v_n = _load_token(q, k, v, g, beta, bos, bos < eos, i_h, i_hv, offs_k, mask_k, offs_v,
+                                              mask_v, stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t,
+                                              stride_v_h, stride_g_t, stride_g_h, stride_b_t, stride_b_h)
         t = bos
         while t < eos:
-            q_t = tl.load(q + t * stride_q_t + i_h * stride_q_h + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-            k_t = tl.load(k + t * stride_k_t + i_h * stride_k_h + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-            g_t = tl.load(g + t * stride_g_t + i_hv * stride_g_h + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-            b_t = tl.load(beta + t * stride_b_t + i_hv * stride_b_h).to(tl.float32)
-            v_t = tl.load(v + t * stride_v_t + i_hv * stride_v_h + offs_v, mask=mask_v, other=0.0).to(tl.float32)
+            q_t, k_t, g_t, b_t, v_t = q_n, k_n, g_n, b_n, v_n
+            q_n, k_n, g_n, b_n, v_n = _load_token(q, k, v, g, beta, t + 1, t + 1 < eos, i_h, i_hv, offs_k, mask_k,
+                                                  offs_v, mask_v, stride_q_t, stride_q_h, stride_k_t, stride_k_h,
+                                                  stride_v_t, stride_v_h, stride_g_t, stride_g_h, stride_b_t,
+                                                  stride_b_h)
             if USE_QK_L2NORM:
                 q_t = l2_normalize(q_t)
                 k_t = l2_normalize(k_t)
