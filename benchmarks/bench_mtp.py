@@ -1,6 +1,6 @@
 """Speculative verify and commit on the GPU: checks at real sizes, then timings.
 
-    python benchmarks/bench_mtp.py [--quick]
+    python benchmarks/bench_mtp.py [--quick] [--tile-bytes 4096,8192]
 
 Verify in snapshot and ring mode (inputs already convolved, and with the short conv
 fused), the snapshot and ring commits, and fla's speculative serving path
@@ -90,7 +90,7 @@ def ref_verify(L, mode):
     return out, snaps, rings
 
 
-def correctness(results):
+def correctness(results, tag=""):
     for N, T, conv, norm in ((1, 2, True, False), (8, 4, True, True), (64, 8, False, False), (33, 4, True, False)):
         for mode in ("snapshot", "ring"):
             L = make_layer(N, T, conv=conv, mode=mode, norm=norm, seed=N * 10 + T)
@@ -108,7 +108,7 @@ def correctness(results):
                 e_pool = max(rel(r[s], rr[s]) for r, rr in zip(L["rings"], ref_rings))
             untouched = torch.equal(L["state"], state_before)
             ok = e_out < 2e-2 and e_pool < 1e-2 and untouched
-            results["checks"].append({"case": f"verify-{mode}-N{N}-T{T}-conv{int(conv)}-norm{int(norm)}",
+            results["checks"].append({"case": f"verify-{mode}-N{N}-T{T}-conv{int(conv)}-norm{int(norm)}{tag}",
                                       "out_err": e_out, "pool_err": e_pool, "ok": ok})
     # ring commit == snapshot commit, bitwise, on the GPU (norm on and off, rings longer than T)
     for norm, ring_len, T, conv in ((False, None, 4, True), (True, None, 4, True), (False, 8, 4, True),
@@ -125,7 +125,7 @@ def correctness(results):
         kdakit.commit_ring(s2, *ring_layer["rings"], ring_layer["slots"], accept)
         same = torch.equal(s1, s2)
         results["checks"].append({"case": f"ring-commit-bitwise-snapshot-commit-T{T}-conv{int(conv)}-norm{int(norm)}"
-                                          f"-L{ring_len or T}",
+                                          f"-L{ring_len or T}{tag}",
                                   "ok": same and torch.equal(snap_layer["out"], ring_layer["out"]),
                                   "pool_err": float((s1 - s2).abs().max())})
 
@@ -153,7 +153,20 @@ def fla_spec_call(L, T):
         use_beta_sigmoid_in_kernel=True, lower_bound=LOWER_BOUND, out=out)
 
 
-def timings(results, quick, commit_only=False, batches=None):
+def time_fla_chain(results, layers, T, moved, base):
+    try:
+        ref_out = ref_verify(layers[0], "snapshot")[0]
+        calls = [fla_spec_call(L, T) for L in layers]
+        calls[0]()
+        err = rel(layers[0]["fla_out"].view(ref_out.shape), ref_out)
+        t = harness.graph_time_us(calls)
+        results["rows"].append(harness.row("fla-spec-chain", t, moved, results["copy_ceiling_GBps"], **base,
+                                           layers=len(layers), err=round(err, 6)))
+    except Exception as exc:
+        results["rows"].append({"name": "fla-spec-chain", **base, "error": repr(exc)[:200]})
+
+
+def timings(results, quick, commit_only=False, batches=None, tag="", skip_fla=False):
     ceiling = results["copy_ceiling_GBps"]
     batches = batches or ((8, 64) if quick else (1, 8, 64, 256))
     for num_spec in (1, 3, 7):
@@ -167,7 +180,7 @@ def timings(results, quick, commit_only=False, batches=None):
                 nl = harness.layers_for(moved)
                 layers = [make_layer(N, T, conv=conv, mode=mode, seed=i, slots=N * (T + 1) + 2) for i in range(nl)]
                 t = harness.graph_time_us([verify_call(L) for L in layers])
-                results["rows"].append(harness.row(f"verify-{mode}{'-conv' if conv else ''}", t, moved, ceiling,
+                results["rows"].append(harness.row(f"verify-{mode}{'-conv' if conv else ''}{tag}", t, moved, ceiling,
                                                    **base, layers=nl))
                 if mode == "ring" and not conv:
                     for L in layers:
@@ -177,7 +190,7 @@ def timings(results, quick, commit_only=False, batches=None):
                     t = harness.graph_time_us([
                         (lambda L=L, acc=acc: kdakit.commit_ring(L["state"], *L["rings"], L["slots"], acc))
                         for L, acc in zip(layers, accept)])
-                    results["rows"].append(harness.row("commit-ring", t, moved_commit, ceiling, **base, layers=nl))
+                    results["rows"].append(harness.row(f"commit-ring{tag}", t, moved_commit, ceiling, **base, layers=nl))
                 if mode == "snapshot" and not conv:
                     for L in layers:
                         verify_call(L)()
@@ -186,18 +199,10 @@ def timings(results, quick, commit_only=False, batches=None):
                         (lambda L=L, s=s: kdakit.commit_snapshots(L["state"], L["snapshots"], L["slots"],
                                                                   L["scratch_idx"], s))
                         for L, s in zip(layers, steps)])
-                    results["rows"].append(harness.row("commit-snapshot", t, 2 * N * STATE_BYTES, ceiling, **base,
+                    results["rows"].append(harness.row(f"commit-snapshot{tag}", t, 2 * N * STATE_BYTES, ceiling, **base,
                                                        layers=nl))
-                    try:
-                        ref_out = ref_verify(layers[0], "snapshot")[0]
-                        calls = [fla_spec_call(L, T) for L in layers]
-                        calls[0]()
-                        err = rel(layers[0]["fla_out"].view(ref_out.shape), ref_out)
-                        t = harness.graph_time_us(calls)
-                        results["rows"].append(harness.row("fla-spec-chain", t, moved, ceiling, **base, layers=nl,
-                                                           err=round(err, 6)))
-                    except Exception as exc:
-                        results["rows"].append({"name": "fla-spec-chain", **base, "error": repr(exc)[:200]})
+                    if not skip_fla:  # timed once per sweep
+                        time_fla_chain(results, layers, T, moved, base)
                 del layers
                 torch.cuda.empty_cache()
 
@@ -208,11 +213,21 @@ def main():
     parser.add_argument("--commit-only", action="store_true", help="time the commits (and their verifies) only")
     parser.add_argument("--batches", type=lambda x: tuple(int(n) for n in x.split(",")), default=None,
                         help="comma-separated N values (default 1,8,64,256; --quick 8,64)")
+    parser.add_argument("--tile-bytes", type=lambda x: tuple(int(n) for n in x.split(",")), default=None,
+                        help="sweep: bytes of state rows per program of the verify and ring commit "
+                             "(kdakit.ops.mtp_verify.RECURRENCE_TILE_BYTES); rows are tagged with it")
     parser.add_argument("--name", default="mtp_h200")
     args = parser.parse_args()
     results = harness.new_results()
-    correctness(results)
-    timings(results, args.quick, args.commit_only, args.batches)
+    if args.tile_bytes:
+        from kdakit.ops import mtp_verify as mtp_verify_module
+        for i, tile_bytes in enumerate(args.tile_bytes):
+            mtp_verify_module.RECURRENCE_TILE_BYTES = tile_bytes
+            correctness(results, tag=f"-tile{tile_bytes}")
+            timings(results, args.quick, args.commit_only, args.batches, tag=f"-tile{tile_bytes}", skip_fla=i > 0)
+    else:
+        correctness(results)
+        timings(results, args.quick, args.commit_only, args.batches)
     harness.close_results(results)
     path = harness.save(results, args.name)
     print(f"copy ceiling {results['copy_ceiling_GBps']} GB/s; saved {path}")

@@ -206,11 +206,15 @@ def test_speculative_loop_equals_plain_decode_and_ring_equals_snapshot_bitwise(l
         assert torch.equal(committed_conv[slot_list], plain_conv[slot_list]), "committed conv windows"
 
 
+@pytest.mark.parametrize("tile_bytes", [4096, 256], ids=["one-tile", "4-row-tiles"])
 @pytest.mark.parametrize("T", [1, 2, 5], ids=lambda t: f"T{t}")
-def test_snapshot_and_ring_verify_agree_and_ring_commit_is_bitwise(T):
+def test_snapshot_and_ring_verify_agree_and_ring_commit_is_bitwise(T, tile_bytes, monkeypatch):
     """Snapshot and ring verify (conv prologue kernel, then the recurrence) compute the same
-    outputs and windows; a ring commit of any prefix equals the snapshot commit bitwise."""
+    outputs and windows; a ring commit of any prefix equals the snapshot commit bitwise,
+    whatever tile of state rows the recurrence kernels share."""
+    from kdakit.ops import mtp_verify as mtp_verify_module
     from kdakit.ops.mtp_verify import mtp_verify_triton
+    monkeypatch.setattr(mtp_verify_module, "RECURRENCE_TILE_BYTES", tile_bytes)
     p, d = make_problem(41, act=torch.bfloat16, conv=True, T=T, K=16, V=16, padding=True)
     results = {}
     for mode in ("snapshot", "ring"):

@@ -18,7 +18,7 @@ from .. import contracts, reference
 from ..backends import register, select
 from .launch import CachedKernel
 from .gated_rmsnorm import gated_rmsnorm
-from .triton_math import delta_rule_update, kda_log_decay, l2_normalize
+from .triton_math import delta_rule_step, kda_log_decay, l2_normalize
 from .verify_conv import verify_conv
 
 
@@ -95,9 +95,8 @@ def _mtp_verify_kernel(
                      g_t.to(ring_g.dtype.element_ty), mask=mask_k & writes_head)
             tl.store(ring_beta + slot * s_rb_slot + i_hv * ring_len + t, beta_t.to(ring_beta.dtype.element_ty),
                      mask=writes_head)
-        q_hat = l2_normalize(q_t) * scale
-        S = delta_rule_update(S, l2_normalize(k_t), v_t, g_t, beta_t)
-        o = tl.where(live, tl.sum(S * q_hat[None, :], axis=1), 0.0)
+        S, o = delta_rule_step(S, l2_normalize(k_t), v_t, g_t, beta_t, l2_normalize(q_t) * scale)
+        o = tl.where(live, o, 0.0)
         tl.store(out + ((n64 * T + t) * HV + i_hv) * V + offs_v, o.to(out.dtype.element_ty), mask=mask_v)
         if SNAPSHOT:
             snap = snapshots + row * s_snap_row + t * s_snap_t + i_hv * V * K
@@ -107,12 +106,19 @@ def _mtp_verify_kernel(
 _mtp_verify = CachedKernel(_mtp_verify_kernel)
 
 
+# Bytes of float32 state rows per one-warp program of the verify recurrence; a benchmark
+# sweep may set it (``benchmarks/bench_mtp.py --sweep``), every kernel below reads it per call.
+RECURRENCE_TILE_BYTES = 4096
+
+
 def recurrence_tile(V: int, K: int) -> tuple[int, int]:
-    """(BLOCK_V, num_warps) of every kernel that runs the verify recurrence: 4 KB of float32
-    state rows per warp. The ring commit replays with the same tile, so its reductions
-    round exactly like the verify's and a ring commit equals a snapshot commit bitwise;
-    that is also why the output norm runs as a second kernel rather than on a full-row tile."""
-    return max(1, min(triton.next_power_of_2(V), 4096 // (triton.next_power_of_2(K) * 4))), 1
+    """(BLOCK_V, num_warps) of every kernel that runs the verify recurrence: one warp on
+    RECURRENCE_TILE_BYTES of float32 state rows. The ring commit replays with the same tile,
+    so its reductions round exactly like the verify's and a ring commit equals a snapshot
+    commit bitwise; that is also why the output norm runs as a second kernel rather than on
+    a full-row tile."""
+    rows = RECURRENCE_TILE_BYTES // (triton.next_power_of_2(K) * 4)
+    return max(1, min(triton.next_power_of_2(V), rows)), 1
 
 
 def _strides(t, dims, default=0):
