@@ -173,13 +173,21 @@ _fused_decode = CachedKernel(_fused_decode_kernel)
 
 def _launch_config(batch: int, H: int, HV: int, V: int, K: int) -> tuple:
     """(BLOCK_V, V_TILES, num_warps), pinned from the H200 sweeps
-    (benchmarks/results/fused_decode_*sweep_h200.json): up to 64 (request, head) pairs, V
-    split over programs of 8 KB of state rows (N = 1: 7.5 us against 28 us for one program
-    per head); beyond, one one-warp program per head streams 4 KB tiles (N = 32: 46.0 us
-    against 63.0 us split)."""
+    (benchmarks/results/fused_decode_*sweep_h200.json; the last, fused_decode_tiles_sweep_h200):
+    up to 64 (request, head) pairs, V split over programs of one 8 KB tile (N = 1: 7.7 us
+    against 18.9 us for one program per head); up to 256, over four programs of four 4 KB
+    tiles each (N = 8: 15.5 us against 20.0 split in 8 KB tiles and 21.3 one program per
+    head); beyond, one one-warp program per head streams its 4 KB tiles (N = 32: 44.1 us
+    against 46.2 for two programs per head). GVA shares a key head's q/k windows between
+    value heads, so it always splits; past 256 pairs in one 4 KB tile per program."""
     rows = max(1, min(triton.next_power_of_2(V), 4096 // (triton.next_power_of_2(K) * 4)))
-    if batch * HV <= 64 or HV != H:
-        return 2 * rows if batch * HV <= 64 else rows, 1, 1
+    pairs = batch * HV
+    if pairs <= 64:
+        return 2 * rows, 1, 1
+    if pairs <= 256:
+        return rows, 4, 1
+    if HV != H:
+        return rows, 1, 1
     return rows, triton.cdiv(V, rows), 1
 
 
