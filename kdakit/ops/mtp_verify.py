@@ -18,7 +18,7 @@ from .. import contracts, reference
 from ..backends import register, select
 from .launch import CachedKernel
 from .gated_rmsnorm import gated_rmsnorm
-from .triton_math import delta_rule_step, kda_log_decay, l2_normalize
+from .triton_math import delta_rule_update, kda_log_decay, l2_normalize
 from .verify_conv import verify_conv
 
 
@@ -95,8 +95,9 @@ def _mtp_verify_kernel(
                      g_t.to(ring_g.dtype.element_ty), mask=mask_k & writes_head)
             tl.store(ring_beta + slot * s_rb_slot + i_hv * ring_len + t, beta_t.to(ring_beta.dtype.element_ty),
                      mask=writes_head)
-        S, o = delta_rule_step(S, l2_normalize(k_t), v_t, g_t, beta_t, l2_normalize(q_t) * scale)
-        o = tl.where(live, o, 0.0)
+        q_hat = l2_normalize(q_t) * scale
+        S = delta_rule_update(S, l2_normalize(k_t), v_t, g_t, beta_t)
+        o = tl.where(live, tl.sum(S * q_hat[None, :], axis=1), 0.0)
         tl.store(out + ((n64 * T + t) * HV + i_hv) * V + offs_v, o.to(out.dtype.element_ty), mask=mask_v)
         if SNAPSHOT:
             snap = snapshots + row * s_snap_row + t * s_snap_t + i_hv * V * K
@@ -107,7 +108,7 @@ _mtp_verify = CachedKernel(_mtp_verify_kernel)
 
 
 # Bytes of float32 state rows per one-warp program of the verify recurrence; a benchmark
-# sweep may set it (``benchmarks/bench_mtp.py --sweep``), every kernel below reads it per call.
+# sweep may set it (``benchmarks/bench_mtp.py --tile-bytes``); the kernels below read it per call.
 RECURRENCE_TILE_BYTES = 4096
 
 

@@ -39,20 +39,6 @@ def _load_state_tile(head_state, offs_v, offs_k, stride_v, stride_k, mask):
 
 
 @triton.jit
-def _load_token(q, k, v, g, beta, t, in_seq, i_h, i_hv, offs_k, mask_k, offs_v, mask_v,
-                stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_g_t, stride_g_h,
-                stride_b_t, stride_b_h):
-    """Token t's q, k, g, beta, v rows in float32; nothing read where not ``in_seq``."""
-    m_k = mask_k & in_seq
-    q_t = tl.load(q + t * stride_q_t + i_h * stride_q_h + offs_k, mask=m_k, other=0.0).to(tl.float32)
-    k_t = tl.load(k + t * stride_k_t + i_h * stride_k_h + offs_k, mask=m_k, other=0.0).to(tl.float32)
-    g_t = tl.load(g + t * stride_g_t + i_hv * stride_g_h + offs_k, mask=m_k, other=0.0).to(tl.float32)
-    b_t = tl.load(beta + t * stride_b_t + i_hv * stride_b_h, mask=in_seq, other=0.0).to(tl.float32)
-    v_t = tl.load(v + t * stride_v_t + i_hv * stride_v_h + offs_v, mask=mask_v & in_seq, other=0.0).to(tl.float32)
-    return q_t, k_t, g_t, b_t, v_t
-
-
-@triton.jit
 def _recurrent_forward_kernel(
     q, k, v, g, beta, A_log, dt_bias, out, state, slot_indices, num_accepted, cu_seqlens, token_states, final_states,
     T,
@@ -65,7 +51,6 @@ def _recurrent_forward_kernel(
     scale, lower_bound,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, V_TILES: tl.constexpr, PREFETCH_TILE: tl.constexpr,
-    PREFETCH_TOKENS: tl.constexpr,
     IS_VARLEN: tl.constexpr, PER_TOKEN_SLOTS: tl.constexpr, HAS_NUM_ACCEPTED: tl.constexpr,
     WRITE_STATE: tl.constexpr, HAS_TOKEN_STATES: tl.constexpr, HAS_FINAL_STATES: tl.constexpr,
     USE_QK_L2NORM: tl.constexpr, GATE_IN_KERNEL: tl.constexpr, SAFE_GATE: tl.constexpr, BETA_MODE: tl.constexpr,
@@ -120,27 +105,13 @@ def _recurrent_forward_kernel(
             S_next = _load_state_tile(state + slot * stride_s_slot + i_hv * stride_s_h, next_v, offs_k, stride_s_v,
                                       stride_s_k, (slot >= 0) & (next_v < V)[:, None] & mask_k[None, :])
 
-        # With PREFETCH_TOKENS each token's loads are issued while the previous token computes
-        # (the first one's alongside the state load): the load latency leaves the serial chain
-        # of a many-token sequence. One-token sequences load in the loop (measured faster).
-        if PREFETCH_TOKENS:
-            q_n, k_n, g_n, b_n, v_n = _load_token(q, k, v, g, beta, bos, bos < eos, i_h, i_hv, offs_k, mask_k,
-                                                  offs_v, mask_v, stride_q_t, stride_q_h, stride_k_t, stride_k_h,
-                                                  stride_v_t, stride_v_h, stride_g_t, stride_g_h, stride_b_t,
-                                                  stride_b_h)
         t = bos
         while t < eos:
-            if PREFETCH_TOKENS:
-                q_t, k_t, g_t, b_t, v_t = q_n, k_n, g_n, b_n, v_n
-                q_n, k_n, g_n, b_n, v_n = _load_token(q, k, v, g, beta, t + 1, t + 1 < eos, i_h, i_hv, offs_k,
-                                                      mask_k, offs_v, mask_v, stride_q_t, stride_q_h, stride_k_t,
-                                                      stride_k_h, stride_v_t, stride_v_h, stride_g_t, stride_g_h,
-                                                      stride_b_t, stride_b_h)
-            else:
-                q_t, k_t, g_t, b_t, v_t = _load_token(q, k, v, g, beta, t, True, i_h, i_hv, offs_k, mask_k, offs_v,
-                                                      mask_v, stride_q_t, stride_q_h, stride_k_t, stride_k_h,
-                                                      stride_v_t, stride_v_h, stride_g_t, stride_g_h, stride_b_t,
-                                                      stride_b_h)
+            q_t = tl.load(q + t * stride_q_t + i_h * stride_q_h + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+            k_t = tl.load(k + t * stride_k_t + i_h * stride_k_h + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+            g_t = tl.load(g + t * stride_g_t + i_hv * stride_g_h + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+            b_t = tl.load(beta + t * stride_b_t + i_hv * stride_b_h).to(tl.float32)
+            v_t = tl.load(v + t * stride_v_t + i_hv * stride_v_h + offs_v, mask=mask_v, other=0.0).to(tl.float32)
             if USE_QK_L2NORM:
                 q_t = l2_normalize(q_t)
                 k_t = l2_normalize(k_t)
@@ -178,7 +149,7 @@ _recurrent_forward = CachedKernel(_recurrent_forward_kernel)
 
 
 def _launch_config(N: int, HV: int, V: int, K: int, tokens: int, k_major: bool = False) -> tuple:
-    """(BLOCK_V, num_warps, V_TILES, PREFETCH_TILE, PREFETCH_TOKENS), pinned from the H200 sweeps
+    """(BLOCK_V, num_warps, V_TILES, PREFETCH_TILE), pinned from the H200 sweeps
     (benchmarks/results/recurrent_forward_*sweep_h200.json), no autotuning in a serving call.
     Sequences of several tokens: one warp on 16 rows of K = 128 float32 (8 KB: fewer programs
     repeat each token's q/k/gate work). One-token sequences: two 4 KB tiles per program, the
@@ -186,16 +157,15 @@ def _launch_config(N: int, HV: int, V: int, K: int, tokens: int, k_major: bool =
     to 2048; four 4 KB tiles, prefetched, beyond. A K-major pool (fla's layout, a transposed
     view) is contiguous along V: 32-row tiles over 4 warps keep its loads coalesced."""
     rows = max(1, min(triton.next_power_of_2(V), 4096 // (triton.next_power_of_2(K) * 4)))
-    many_tokens = tokens >= 2 * max(N, 1)
     if k_major:
-        return min(triton.next_power_of_2(V), 32), 4, 1, True, many_tokens
-    if many_tokens:
-        return min(triton.next_power_of_2(V), 2 * rows), 1, 1, True, True
+        return min(triton.next_power_of_2(V), 32), 4, 1, True
+    if tokens >= 2 * max(N, 1):
+        return min(triton.next_power_of_2(V), 2 * rows), 1, 1, True
     if N * HV <= 256:
-        return rows, 1, 2, True, False
+        return rows, 1, 2, True
     if N * HV <= 2048:
-        return max(1, rows // 2), 1, 2, False, False
-    return rows, 1, 4, True, False
+        return max(1, rows // 2), 1, 2, False
+    return rows, 1, 4, True
 
 
 def _strides4(t):
@@ -207,7 +177,7 @@ def recurrent_forward_triton(q, k, v, g, beta, state, slot_indices, out, *, cu_s
                              A_log, dt_bias, lower_bound, beta_mode, num_accepted_tokens, token_states,
                              write_final_state, final_states, padding_rows=True, config=None):
     """``state``, ``token_states``, ``final_states`` are V-major views of any strides
-    (``[.., HV, V, K]``); ``config = (BLOCK_V, num_warps[, V_TILES[, PREFETCH_TILE[, PREFETCH_TOKENS]]])`` overrides the pinned choice."""
+    (``[.., HV, V, K]``); ``config = (BLOCK_V, num_warps[, V_TILES[, PREFETCH_TILE]])`` overrides the pinned choice."""
     _, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = cu_seqlens.numel() - 1 if cu_seqlens is not None else 1
@@ -216,7 +186,6 @@ def recurrent_forward_triton(q, k, v, g, beta, state, slot_indices, out, *, cu_s
     block_v, num_warps, *tiles = config or _launch_config(N, HV, V, K, q.shape[1], k_major=state.stride(-1) != 1)
     v_tiles = tiles[0] if tiles else 1
     prefetch_tile = bool(tiles[1]) if len(tiles) > 1 else True
-    prefetch_tokens = bool(tiles[2]) if len(tiles) > 2 else q.shape[1] >= 2 * N
     per_token = slot_indices.dim() == 2
     dummy = slot_indices  # never read: its constexpr flag is off
     grid = (N, HV, triton.cdiv(V, block_v * v_tiles))
@@ -233,7 +202,6 @@ def recurrent_forward_triton(q, k, v, g, beta, state, slot_indices, out, *, cu_s
          slot_indices.stride(0), slot_indices.stride(1) if per_token else 0,
          float(scale), float(lower_bound) if lower_bound is not None else 0.0),
         dict(H=H, HV=HV, K=K, V=V, BLOCK_K=triton.next_power_of_2(K), BLOCK_V=block_v, V_TILES=v_tiles, PREFETCH_TILE=prefetch_tile,
-             PREFETCH_TOKENS=prefetch_tokens,
              IS_VARLEN=cu_seqlens is not None, PER_TOKEN_SLOTS=per_token,
              HAS_NUM_ACCEPTED=num_accepted_tokens is not None, WRITE_STATE=bool(write_final_state),
              HAS_TOKEN_STATES=token_states is not None, HAS_FINAL_STATES=final_states is not None,

@@ -31,26 +31,11 @@ def l2_normalize(x):
 
 
 @triton.jit
-def _decay_and_correction(S, k, v, g, beta):
-    S = S * tl.exp(g)[None, :]
-    return S, beta * (v - tl.sum(S * k[None, :], axis=1))
-
-
-@triton.jit
 def delta_rule_update(S, k, v, g, beta):
     """S [BLOCK_V, BLOCK_K] rows of a V-major state; k, g [BLOCK_K]; v [BLOCK_V]; beta scalar."""
-    S, u = _decay_and_correction(S, k, v, g, beta)
+    S = S * tl.exp(g)[None, :]
+    u = beta * (v - tl.sum(S * k[None, :], axis=1))
     return S + u[:, None] * k[None, :]
-
-
-@triton.jit
-def delta_rule_step(S, k, v, g, beta, q):
-    """``delta_rule_update`` and the output ``o = S_new q``, read off the decayed state as
-    ``(S ⊙ e^g) q + u (k · q)``: the two reductions over K do not wait on each other (one
-    reduction deep per step, not two). The new state rounds exactly as ``delta_rule_update``'s."""
-    S, u = _decay_and_correction(S, k, v, g, beta)
-    o = tl.sum(S * q[None, :], axis=1) + u * tl.sum(k * q, axis=0)
-    return S + u[:, None] * k[None, :], o
 
 
 @triton.jit
