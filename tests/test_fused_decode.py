@@ -228,6 +228,30 @@ def test_triton_configs(config, H, HV, norm, V):
     assert not arrival_counters(out.device, 5 * H).any(), "arrival counters must be back at zero"
 
 
+@pytest.mark.parametrize("H,HV,norm", [(2, 2, True), (1, 4, True), (2, 2, False)], ids=["H2-norm", "gva-norm", "H2"])
+def test_large_batch_runs_the_unfused_chain(H, HV, norm, monkeypatch):
+    """Past CHAIN_ABOVE_PAIRS (request, head) pairs the op runs conv update -> packed decode
+    -> gated norm: same contract (float64 reference, windows, unused slots, padding zero)."""
+    from kdakit.ops import fused_decode as fused_module
+    monkeypatch.setattr(fused_module, "CHAIN_ABOVE_PAIRS", 0)
+    t, kw = make_case(H, HV, 16, 16, norm=norm, batch=5, slots=9, num_padding=2, seed=21)
+    if norm:  # a gate with a row stride: a view into a wider projection
+        kw["norm_gate"] = torch.cat([kw["norm_gate"], torch.randn(5, 3)], dim=1)[:, :HV * 16]
+    before = {n: t[n].clone() for n in ("state", "conv_state")}
+    ref_out, ref_state, ref_conv = ref_run(t, kw, scale=0.25)
+    out = torch.full((5, 1, HV, 16), POISON)
+    fused_decode(*(t[n] for n in ARGS), **kw, scale=0.25, out=out, backend="triton")
+    idx = t["slot_indices"]
+    live = idx[idx >= 0].long()
+    assert_close(out, ref_out, 1e-5)
+    assert bool((out[idx < 0] == 0).all()), "padding rows are zero"
+    assert_close(t["state"][live], ref_state[live], 1e-5)
+    assert torch.equal(t["conv_state"][live], ref_conv[live].float())
+    for s in untouched_slots(9, idx):
+        for n in ("state", "conv_state"):
+            assert torch.equal(bits(t[n][s]), bits(before[n][s])), f"{n} slot {s} must stay bitwise"
+
+
 def test_default_scale_and_out_allocation():
     t, kw = make_case(1, 2, 16, 16, act_dtype=torch.bfloat16, seed=16)
     ref_out, _, _ = ref_run(t, kw, scale=0.7)

@@ -17,6 +17,7 @@ import triton.language as tl
 
 from .. import contracts, reference
 from ..backends import register, select
+from .gated_rmsnorm import gated_rmsnorm
 from .launch import CachedKernel, arrival_counters
 from .triton_math import (conv_apply, conv_inputs, delta_rule_update, gated_rmsnorm_rows, kda_log_decay,
                           l2_normalize, shift_window, short_conv)
@@ -191,16 +192,44 @@ def _launch_config(batch: int, H: int, HV: int, V: int, K: int) -> tuple:
     return rows, triton.cdiv(V, rows), 1
 
 
+# Above this many (request, value head) pairs the three-kernel chain (conv update, packed
+# decode, gated norm) beats the fused kernel on the H200 (fused_decode_final2_h200.json:
+# N = 128 156.2 vs 162.4 us, N = 512 592.5 vs 623.1 us; N = 32 44.7 vs 45.0), so the op runs
+# the chain there: the same numbers (both round the post-conv values and o alike).
+CHAIN_ABOVE_PAIRS = 1024
+
+
+def _unfused_chain(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, state, slot_indices, out, *, conv_bias,
+                   scale, lower_bound, norm_gate, norm_weight, norm_eps):
+    from .conv1d_update import causal_conv1d_update_triton
+    from .packed_decode import packed_decode_triton
+    B, HV, V = qkv.shape[0], state.shape[1], state.shape[2]
+    mixed = causal_conv1d_update_triton(qkv, conv_state, conv_weight, slot_indices, torch.empty_like(qkv),
+                                        bias=conv_bias)
+    o = out if norm_weight is None else torch.empty(out.shape, dtype=out.dtype, device=out.device)
+    packed_decode_triton(mixed, a, b, A_log, dt_bias, state, slot_indices, o, scale=scale, use_qk_l2norm=True,
+                         lower_bound=lower_bound)
+    if norm_weight is not None:
+        gated_rmsnorm(o, norm_gate.unflatten(-1, (HV, V)).unsqueeze(1), norm_weight, eps=norm_eps, out=out,
+                      backend="triton")
+    return out
+
+
 @register("fused_decode", "triton")
 def fused_decode_triton(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, state, slot_indices, out, *,
                         conv_bias, scale, lower_bound, norm_gate, norm_weight, norm_eps, config=None):
-    """``config = (BLOCK_V, V_TILES, num_warps)`` overrides the pinned choice (sweeps): each
-    program streams V_TILES tiles of BLOCK_V rows; as many programs per head as cover V."""
+    """``config = (BLOCK_V, V_TILES, num_warps)`` overrides the pinned choice (sweeps) and
+    always runs the fused kernel: each program streams V_TILES tiles of BLOCK_V rows; as
+    many programs per head as cover V. Without it, past CHAIN_ABOVE_PAIRS the unfused chain runs."""
     B = qkv.shape[0]
     _, HV, V, K = state.shape
     H = reference.infer_packed_heads(qkv.shape[1], HV, V, K)
     if B == 0:
         return out
+    if config is None and B * HV > CHAIN_ABOVE_PAIRS:
+        return _unfused_chain(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, state, slot_indices, out,
+                              conv_bias=conv_bias, scale=scale, lower_bound=lower_bound, norm_gate=norm_gate,
+                              norm_weight=norm_weight, norm_eps=norm_eps)
     has_norm = norm_weight is not None
     block_v, v_tiles, num_warps = config or _launch_config(B, H, HV, V, K)
     v_tiles = min(v_tiles, triton.cdiv(V, block_v))  # no program streams tiles past V
