@@ -17,8 +17,10 @@ import triton.language as tl
 
 from .. import contracts, reference
 from ..backends import register, select
+from .conv1d_update import causal_conv1d_update_triton
 from .gated_rmsnorm import gated_rmsnorm
 from .launch import CachedKernel, arrival_counters
+from .packed_decode import packed_decode_triton
 from .triton_math import (conv_apply, conv_inputs, delta_rule_update, gated_rmsnorm_rows, kda_log_decay,
                           l2_normalize, shift_window, short_conv)
 
@@ -28,6 +30,13 @@ def _load_tile(head_state, offs_v, offs_k, mask_k, in_use, V: tl.constexpr, K: t
     """State rows ``offs_v`` (none past V) as stored; nothing read where not ``in_use``."""
     return tl.load(head_state + offs_v[:, None] * K + offs_k[None, :],
                    mask=in_use & ((offs_v < V)[:, None] & mask_k[None, :]), other=0.0)
+
+
+@triton.jit
+def _store_tile(head_state, offs_v, offs_k, mask_k, S, in_use, V: tl.constexpr, K: tl.constexpr):
+    """``_load_tile``'s rows back, in the pool's dtype; nothing written where not ``in_use``."""
+    tl.store(head_state + offs_v[:, None] * K + offs_k[None, :], S.to(head_state.dtype.element_ty),
+             mask=in_use & ((offs_v < V)[:, None] & mask_k[None, :]))
 
 
 @triton.jit
@@ -131,10 +140,10 @@ def _fused_decode_kernel(
             o = gated_rmsnorm_rows(o.to(out.dtype.element_ty).to(tl.float32), gate_row, weight_row, norm_eps, V)
         # With the norm on a split row this is o before it, rounded as the unfused chain does.
         tl.store(o_row_ptrs + offs_v, o.to(out.dtype.element_ty), mask=mask_v)
-        store_now = live & (mask_v[:, None] & mask_k[None, :])
+        store_now = live
         if SPLIT:  # the last tile is stored after the arrival
-            store_now = store_now & (tile < V_TILES - 1)
-        tl.store(head_state + offs_v[:, None] * K + offs_k[None, :], S.to(state.dtype.element_ty), mask=store_now)
+            store_now = live & (tile < V_TILES - 1)
+        _store_tile(head_state, offs_v, offs_k, mask_k, S, store_now, V, K)
 
     if SPLIT:
         # Every thread's window reads and o stores precede the arrival (release); the last
@@ -143,9 +152,8 @@ def _fused_decode_kernel(
         counter = arrivals + i_b * H + i_h
         arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
         tl.debug_barrier()
-        offs_v = first_row + (V_TILES - 1) * BLOCK_V + tl.arange(0, BLOCK_V)
-        tl.store(head_state + offs_v[:, None] * K + offs_k[None, :], S.to(state.dtype.element_ty),
-                 mask=live & ((offs_v < V)[:, None] & mask_k[None, :]))
+        _store_tile(head_state, first_row + (V_TILES - 1) * BLOCK_V + tl.arange(0, BLOCK_V), offs_k, mask_k, S, live,
+                    V, K)
         is_last = arrived == GROUP * PROGRAMS_PER_HEAD - 1
     else:
         tl.debug_barrier()  # the norm below reads o rows that other threads stored
@@ -201,8 +209,6 @@ CHAIN_ABOVE_PAIRS = 1024
 
 def _unfused_chain(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, state, slot_indices, out, *, conv_bias,
                    scale, lower_bound, norm_gate, norm_weight, norm_eps):
-    from .conv1d_update import causal_conv1d_update_triton
-    from .packed_decode import packed_decode_triton
     B, HV, V = qkv.shape[0], state.shape[1], state.shape[2]
     mixed = causal_conv1d_update_triton(qkv, conv_state, conv_weight, slot_indices, torch.empty_like(qkv),
                                         bias=conv_bias)
