@@ -78,6 +78,17 @@ def chain_call(layer, norm=True, lower_bound=None):
     return call
 
 
+def dependent_chain_call(layer, norm=True, pdl=True):
+    """The op's own unfused chain, each kernel a programmatic dependent launch of the one before."""
+    from kdakit.ops.fused_decode import _unfused_chain
+    kw = dict(norm_gate=layer["norm_gate"], norm_weight=layer["norm_weight"]) if norm else dict(norm_gate=None,
+                                                                                                 norm_weight=None)
+    K = layer["state"].shape[-1]
+    return lambda: _unfused_chain(layer["qkv"], layer["conv_weight"], layer["conv_state"], layer["a"], layer["b"],
+                                  layer["A_log"], layer["dt_bias"], layer["state"], layer["idx"], layer["out"],
+                                  conv_bias=None, scale=K ** -0.5, lower_bound=None, norm_eps=1e-6, pdl=pdl, **kw)
+
+
 def packed_call(layer):
     # post-conv inputs are the raw qkv here: the recurrence alone, for the floor it sets
     return lambda: packed_decode(layer["qkv"], layer["a"], layer["b"], layer["A_log"], layer["dt_bias"],
@@ -207,6 +218,38 @@ def correctness(results):
     results["checks"].append({"case": "cuda-graph-replay-new-inputs-bitwise-eager", "ok": ok})
 
 
+def check_dependent_chain(results):
+    """The chain with programmatic dependent launches: against float64, and 100 repeats from
+    the same pools bitwise equal to the same chain launched plainly (a read before its
+    wait would see the previous kernel's output half-written, and differ)."""
+    H = HV = 32
+    K = V = 128
+    for N, norm in ((1, True), (8, False), (32, True), (256, True)):
+        layer = make_layer(N, H, HV, K, V, seed=300 + N)
+        if N > 1:
+            layer["idx"][N // 2] = -1
+        state0, conv0 = layer["state"].clone(), layer["conv_state"].clone()
+        ref_out, ref_state, ref_conv = ref_fused(layer, norm)
+
+        def run(pdl):
+            layer["state"].copy_(state0)
+            layer["conv_state"].copy_(conv0)
+            layer["out"].fill_(float("nan"))
+            dependent_chain_call(layer, norm, pdl)()
+            return layer["out"].clone(), layer["state"].clone(), layer["conv_state"].clone()
+
+        plain = run(False)
+        same = all(all(torch.equal(x, y) for x, y in zip(plain, run(True))) for _ in range(100))
+        live = layer["idx"][layer["idx"] >= 0].long()
+        e_out, e_state = rel(plain[0], ref_out), rel(plain[1][live], ref_state[live])
+        conv_ok = torch.equal(plain[2][live], ref_conv[live].to(plain[2].dtype))
+        results["checks"].append({"case": f"dependent-chain-N{N}-norm{int(norm)}-repeat100-bitwise-plain",
+                                  "out_err": e_out, "state_err": e_state, "conv_bitwise": conv_ok,
+                                  "untouched": same, "ok": same and conv_ok and e_out < 2e-2 and e_state < 1e-3})
+        del layer
+    torch.cuda.empty_cache()
+
+
 def config_call(layer, config, norm):
     from kdakit.ops.fused_decode import fused_decode_triton
     kw = dict(norm_gate=layer["norm_gate"], norm_weight=layer["norm_weight"]) if norm else dict(norm_gate=None,
@@ -220,8 +263,18 @@ def config_call(layer, config, norm):
 # (BLOCK_V, V_TILES, num_warps), with the norm: V split over programs of one tile or of
 # several, one one-warp program per head streaming its tiles, or one multi-warp program
 # holding the whole row of a head (the norm on registers).
-SWEEP = [(c, True) for c in ((16, 1, 1), (8, 16, 1), (8, 2, 1), (8, 4, 1), (8, 8, 1), (16, 2, 1), (16, 4, 1),
-                             (128, 1, 4), (128, 1, 8), (128, 1, 16))]
+SWEEPS = {
+    "one": [(c, True) for c in ((16, 1, 1), (8, 16, 1), (8, 2, 1), (8, 4, 1), (8, 8, 1), (16, 2, 1), (16, 4, 1),
+                                (128, 1, 4), (128, 1, 8), (128, 1, 16))],
+    # (.., 2): the decode kernel, then _finish_decode_kernel (windows' shift and norm)
+    "two": [(c, True) for c in ((16, 1, 1, 2), (8, 1, 1, 2), (8, 2, 1, 2), (8, 4, 1, 2), (4, 1, 1, 2),
+                                (8, 16, 1, 2))],
+}
+SWEEP = []  # set from --sweep
+
+
+def config_name(config, norm):
+    return "fused{}-bv{}-t{}-w{}".format("+norm" if norm else "", *config[:3]) + ("-k2" if config[3:] == (2,) else "")
 
 
 def check_configs(results):
@@ -248,7 +301,7 @@ def check_configs(results):
         conv_ok = torch.equal(layer["conv_state"][live], ref_conv[live].to(layer["conv_state"].dtype))
         e_out, e_state = rel(layer["out"], ref_out), rel(layer["state"][live], ref_state[live])
         zero = not arrival_counters(layer["qkv"].device, 8 * H).any()
-        results["checks"].append({"case": "config-bv{}-t{}-w{}-N8-pad1-repeat20".format(*config), "out_err": e_out,
+        results["checks"].append({"case": config_name(config, norm) + "-N8-pad1-repeat20", "out_err": e_out,
                                   "state_err": e_state, "conv_bitwise": conv_ok, "untouched": same and zero,
                                   "ok": same and zero and conv_ok and e_out < 2e-2 and e_state < 1e-3})
         del layer
@@ -272,10 +325,12 @@ def timings(results, quick: bool, sweep: bool = False):
                            ("fused", lambda l: fused_call(l, False)),
                            ("chain conv+decode+norm", lambda l: chain_call(l, True)),
                            ("chain conv+decode", lambda l: chain_call(l, False)),
+                           ("dependent chain+norm", lambda l: dependent_chain_call(l, True)),
+                           ("dependent chain", lambda l: dependent_chain_call(l, False)),
+                           ("plain chain+norm (op)", lambda l: dependent_chain_call(l, True, False)),
                            ("packed_decode alone", packed_call)) + tuple(
-                (f"fused{'+norm' if norm else ''}-bv{c[0]}-t{c[1]}-w{c[2]}",
-                 (lambda l, c=c, norm=norm: config_call(l, c, norm)))
-                for c, norm in (SWEEP if sweep else ())):
+                (config_name(c, norm), (lambda l, c=c, norm=norm: config_call(l, c, norm)))
+                for c, norm in SWEEP):
             try:
                 t = harness.graph_time_us([make(layer) for layer in layers])
                 results["rows"].append(harness.row(name, t, moved, ceiling, **base))
@@ -284,8 +339,8 @@ def timings(results, quick: bool, sweep: bool = False):
         del layers
         torch.cuda.empty_cache()
     for row in results["rows"]:  # speedup of fused over its chain at the same N
-        if row["name"].startswith("fused") and "us" in row:
-            chain = "chain conv+decode+norm" if row["name"] == "fused+norm" else "chain conv+decode"
+        if (row["name"].startswith("fused") or row["name"].startswith("dependent")) and "us" in row:
+            chain = "chain conv+decode+norm" if "+norm" in row["name"] else "chain conv+decode"
             match = [r for r in results["rows"] if r["name"] == chain and r["N"] == row["N"] and "us" in r]
             if match:
                 row["x_vs_chain"] = round(match[0]["us"] / row["us"], 2)
@@ -297,12 +352,14 @@ def timings(results, quick: bool, sweep: bool = False):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--sweep", action="store_true", help="time launch-config variants of the fused kernel")
+    parser.add_argument("--sweep", choices=sorted(SWEEPS), help="time launch-config variants of the fused kernel")
     parser.add_argument("--name", default="fused_decode_h200")
     args = parser.parse_args()
     results = harness.new_results()
     correctness(results)
+    check_dependent_chain(results)
     if args.sweep:
+        SWEEP.extend(SWEEPS[args.sweep])
         check_configs(results)
     bad = [c for c in results["checks"] if not c["ok"]]
     timings(results, args.quick, args.sweep)

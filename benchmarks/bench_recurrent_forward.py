@@ -232,7 +232,8 @@ def timings(results, sweep: bool, quick: bool):
     if quick:
         sizes = [(8, 1), (64, 1), (256, 1)]
     # (BLOCK_V, num_warps, V_TILES, PREFETCH_TILE)
-    configs = [(16, 1, 1, 1), (8, 1, 2, 0), (8, 1, 4, 0), (4, 1, 2, 0), (8, 1, 2, 1)] if sweep else []
+    configs = [(16, 1, 1, 1), (8, 1, 1, 1), (8, 1, 2, 0), (8, 1, 4, 0), (4, 1, 2, 0), (4, 1, 4, 1), (8, 1, 2, 1),
+               (8, 1, 4, 1)] if sweep else []
     for N, T in sizes:
         moved = layer_bytes(N, T, H, HV, K, V)
         num_layers = harness.layers_for(moved)

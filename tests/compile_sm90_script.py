@@ -36,12 +36,21 @@ for batch in (1, 80):  # both fused-decode tile configs (tiny batch: whole V per
     kdakit.fused_decode(qkv, conv_w, conv_state, aa, bb, A_log, dt_bias, state, slots_b.clamp(min=-1),
                         norm_gate=rnd(batch, HV * V), norm_weight=torch.rand(V), backend="triton")
 from kdakit.ops.fused_decode import fused_decode_triton  # noqa: E402
-for config, norm in (((8, 16, 1), False), ((8, 4, 1), True), ((128, 1, 8), True)):
-    # one program per head streaming tiles; split programs of several tiles; the whole row
+for config, norm in (((8, 16, 1), False), ((8, 4, 1), True), ((128, 1, 8), True), ((8, 1, 1, 2), True),
+                     ((16, 2, 1, 2), False)):
+    # one program per head streaming tiles; split programs of several tiles; the whole row;
+    # two kernels (decode, then the windows' shift and the norm, a dependent launch)
     fused_decode_triton(qkv, conv_w, conv_state, aa, bb, A_log, dt_bias, state, slots_b.clamp(min=-1),
                         torch.empty(80, 1, HV, V, dtype=bf), conv_bias=None, scale=0.1, lower_bound=None,
                         norm_gate=rnd(80, HV * V) if norm else None, norm_weight=torch.rand(V) if norm else None,
                         norm_eps=1e-6, config=config)
+from kdakit.ops.fused_decode import _unfused_chain  # noqa: E402
+n_before = len(COMPILED_FOR_TARGET)
+_unfused_chain(qkv, conv_w, conv_state, aa, bb, A_log, dt_bias, state, slots_b.clamp(min=-1),
+               torch.empty(80, 1, HV, V, dtype=bf), conv_bias=None, scale=0.1, lower_bound=None,
+               norm_gate=rnd(80, HV * V), norm_weight=torch.rand(V), norm_eps=1e-6, pdl=True)  # waits compile
+assert COMPILED_FOR_TARGET[n_before:] == ["_causal_conv1d_update_kernel", "_packed_decode_kernel",
+                                          "_gated_rmsnorm_kernel"], COMPILED_FOR_TARGET[n_before:]
 kdakit.causal_conv1d_update(mixed, conv_state, conv_w, idx, backend="triton")
 kdakit.gated_rmsnorm(rnd(N, HV, V), rnd(N, HV, V), torch.rand(V), backend="triton")
 q, k, v = rnd(N, T, H, K), rnd(N, T, H, K), rnd(N, T, HV, V)

@@ -194,16 +194,19 @@ def test_fused_equals_unfused_triton_chain(act_dtype, H, HV, K, V, norm):
 SINGLE_CONFIGS = [(8, 16, 1), (4, 16, 2), (2, 16, 1)]
 FULL_ROW_CONFIGS = [(32, 1, 1), (32, 1, 4)]
 SPLIT_CONFIGS = [(4, 1, 1), (8, 1, 2), (2, 1, 1), (4, 2, 1), (2, 4, 1)]
+# the decode kernel reads the windows, `_finish_decode_kernel` shifts them and norms
+TWO_KERNEL_CONFIGS = [(4, 1, 1, 2), (8, 2, 1, 2), (32, 1, 1, 2)]
 
 
 def config_id(c):
-    return "bv{}-tiles{}-warps{}".format(*c)
+    return "bv{}-tiles{}-warps{}".format(*c) + ("-two-kernels" if c[3:] == (2,) else "")
 
 
 CONFIG_CASES = ([pytest.param(c, 2, 2, norm, id=config_id(c) + f"-H2-norm{int(norm)}")
-                 for c in SINGLE_CONFIGS + FULL_ROW_CONFIGS + SPLIT_CONFIGS for norm in (True, False)]
+                 for c in SINGLE_CONFIGS + FULL_ROW_CONFIGS + SPLIT_CONFIGS + TWO_KERNEL_CONFIGS
+                 for norm in (True, False)]
                 + [pytest.param(c, H, HV, True, id=config_id(c) + f"-gva-H{H}-HV{HV}")
-                   for c in [(32, 1, 1)] + SPLIT_CONFIGS for H, HV in ((1, 4), (2, 4))])
+                   for c in [(32, 1, 1)] + SPLIT_CONFIGS + TWO_KERNEL_CONFIGS for H, HV in ((1, 4), (2, 4))])
 
 
 @pytest.mark.parametrize("V", [16, 20], ids=["V16", "V20-partial-last-tile"])

@@ -15,6 +15,8 @@ import triton.language as tl
 
 from .. import contracts, reference
 from ..backends import register, select
+from triton.language.extra.cuda import gdc_launch_dependents
+
 from .launch import CachedKernel
 from .triton_math import short_conv_update
 
@@ -24,10 +26,13 @@ def _causal_conv1d_update_kernel(
     x, conv_state, weight, bias, slot_indices, out,
     num_channels, stride_x_row, stride_out_row, stride_conv_slot, stride_conv_chan, stride_conv_tap,
     W: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_TAPS: tl.constexpr, HAS_BIAS: tl.constexpr,
+    LAUNCH_DEPENDENTS: tl.constexpr,
 ):
     # One program per (block of channels, request): each channel's window has exactly
     # one reader and writer, so the in-place shift needs no cross-program ordering.
     i_c, i_b = tl.program_id(0), tl.program_id(1)
+    if LAUNCH_DEPENDENTS:  # the decode after it may start loading its state now
+        gdc_launch_dependents()
     offs_c = i_c * BLOCK_C + tl.arange(0, BLOCK_C)
     mask_c = offs_c < num_channels
     slot = tl.load(slot_indices + i_b).to(tl.int64)
@@ -50,8 +55,10 @@ def _launch_config(channels: int) -> tuple:
 
 
 @register("causal_conv1d_update", "triton")
-def causal_conv1d_update_triton(x, conv_state, weight, slot_indices, out, *, bias=None, config=None):
-    """``config = (BLOCK_C, num_warps)`` overrides the pinned choice (sweeps, tests)."""
+def causal_conv1d_update_triton(x, conv_state, weight, slot_indices, out, *, bias=None, config=None,
+                                launch_dependents=False):
+    """``config = (BLOCK_C, num_warps)`` overrides the pinned choice (sweeps, tests);
+    ``launch_dependents``: the next kernel, a programmatic dependent launch, may start early."""
     B, C = x.shape
     if B == 0:
         return out
@@ -61,7 +68,8 @@ def causal_conv1d_update_triton(x, conv_state, weight, slot_indices, out, *, bia
         (triton.cdiv(C, block_c), B, 1),
         (x, conv_state, weight, bias if bias is not None else weight, slot_indices, out,
          C, x.stride(0), out.stride(0), conv_state.stride(0), conv_state.stride(1), conv_state.stride(2)),
-        dict(W=W, BLOCK_C=block_c, BLOCK_TAPS=triton.next_power_of_2(W - 1), HAS_BIAS=bias is not None),
+        dict(W=W, BLOCK_C=block_c, BLOCK_TAPS=triton.next_power_of_2(W - 1), HAS_BIAS=bias is not None,
+             LAUNCH_DEPENDENTS=bool(launch_dependents)),
         num_warps=num_warps, num_stages=1)
     return out
 

@@ -12,6 +12,8 @@ import triton.language as tl
 
 from .. import contracts, reference
 from ..backends import register, select
+from triton.language.extra.cuda import gdc_wait
+
 from .launch import CachedKernel
 from .triton_math import gated_rmsnorm_rows
 
@@ -21,16 +23,20 @@ def _gated_rmsnorm_kernel(
     x, gate, weight, out,
     rows_inner, stride_x_outer, stride_x_inner, stride_gate_outer, stride_gate_inner,
     stride_out_outer, stride_out_inner, eps,
-    V: tl.constexpr, BLOCK_V: tl.constexpr,
+    V: tl.constexpr, BLOCK_V: tl.constexpr, WAIT_FOR_X: tl.constexpr,
 ):
     # One program per row: the whole row sits in registers (V <= 16384), one pass over memory.
+    # WAIT_FOR_X: a programmatic dependent launch after the kernel that writes x (the
+    # decode of the unfused chain); gate and weight load while it finishes.
     r = tl.program_id(0).to(tl.int64)
     r_outer, r_inner = r // rows_inner, r % rows_inner
     offs = tl.arange(0, BLOCK_V)
     mask = offs < V
-    xr = tl.load(x + r_outer * stride_x_outer + r_inner * stride_x_inner + offs, mask=mask, other=0.0)
     gr = tl.load(gate + r_outer * stride_gate_outer + r_inner * stride_gate_inner + offs, mask=mask, other=0.0)
     w = tl.load(weight + offs, mask=mask, other=0.0)
+    if WAIT_FOR_X:
+        gdc_wait()
+    xr = tl.load(x + r_outer * stride_x_outer + r_inner * stride_x_inner + offs, mask=mask, other=0.0)
     y = gated_rmsnorm_rows(xr.to(tl.float32), gr.to(tl.float32), w, eps, V)
     tl.store(out + r_outer * stride_out_outer + r_inner * stride_out_inner + offs, y.to(out.dtype.element_ty),
              mask=mask)
@@ -46,7 +52,8 @@ def _launch_config(V: int) -> tuple:
 
 
 @register("gated_rmsnorm", "triton")
-def gated_rmsnorm_triton(x, gate, weight, out, *, eps, groups):
+def gated_rmsnorm_triton(x, gate, weight, out, *, eps, groups, wait_for_x=False):
+    """``wait_for_x``: a programmatic dependent launch after the kernel that writes ``x``."""
     n_outer, n_inner, ((sxo, sxi), (sgo, sgi), (soo, soi)) = groups
     rows = n_outer * n_inner
     if rows == 0:
@@ -56,7 +63,8 @@ def gated_rmsnorm_triton(x, gate, weight, out, *, eps, groups):
     _gated_rmsnorm(
         (rows, 1, 1),
         (x, gate, weight, out, n_inner, sxo, sxi, sgo, sgi, soo, soi, float(eps)),
-        dict(V=V, BLOCK_V=block_v), num_warps=num_warps, num_stages=1)
+        dict(V=V, BLOCK_V=block_v, WAIT_FOR_X=bool(wait_for_x)), num_warps=num_warps, num_stages=1,
+        launch_pdl=bool(wait_for_x))
     return out
 
 

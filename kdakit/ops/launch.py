@@ -22,9 +22,6 @@ import triton
 from triton.runtime import driver
 
 COMPILED_FOR_TARGET: list[str] = []  # kernels compiled in compile-only mode, in order
-_DTYPE_CODES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64",
-                torch.int32: "i32", torch.int64: "i64", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8",
-                torch.bool: "i1"}
 
 
 def compile_only_target():
@@ -36,23 +33,25 @@ def compile_only_target():
     return GPUTarget("cuda", int(name.removeprefix("sm_")), 32)
 
 
-def _compile_for_target(fn, args, constexprs, num_warps, num_stages, target):
+def _compile_for_target(fn, args, constexprs, num_warps, num_stages, launch_pdl, target):
+    # Specialized as the JIT would on the GPU (an integer 1 becomes a constant, 16-byte
+    # alignment and multiples of 16 are divisibility hints): the layouts the compiler
+    # picks, and the passes that can fail, depend on them.
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
     from triton.compiler import ASTSource
-    signature = {}
-    for name, arg in zip(fn.arg_names, args):
-        if isinstance(arg, torch.Tensor):
-            signature[name] = "*" + _DTYPE_CODES[arg.dtype]
-        elif isinstance(arg, bool):
-            signature[name] = "i1"
-        elif isinstance(arg, int):
-            signature[name] = "i32" if -(2 ** 31) <= arg < 2 ** 31 else "i64"
-        else:
-            signature[name] = "fp32"
+    signature, constants, attrs = {}, dict(constexprs), {}
+    for i, (name, arg) in enumerate(zip(fn.arg_names, args)):
+        kind, attr = native_specialize_impl(BaseBackend, arg, False, True, True)
+        if kind == "constexpr":
+            constants[name] = attr
+        elif attr:
+            attrs[(i,)] = BaseBackend.parse_attr(attr)
+        signature[name] = kind
     signature.update({name: "constexpr" for name in constexprs})
-    triton.compile(ASTSource(fn, signature, constexprs=dict(constexprs)), target=target,
-                   options={"num_warps": num_warps, "num_stages": num_stages})
+    triton.compile(ASTSource(fn, signature, constexprs=constants, attrs=attrs), target=target,
+                   options={"num_warps": num_warps, "num_stages": num_stages, "launch_pdl": launch_pdl})
     COMPILED_FOR_TARGET.append(fn.__name__)
-
 
 
 def specialization_key(args) -> tuple:
@@ -76,16 +75,20 @@ class CachedKernel:
         self.fn = fn
         self.compiled: dict = {}
 
-    def __call__(self, grid, args: tuple, constexprs: dict, *, num_warps: int = 4, num_stages: int = 3):
+    def __call__(self, grid, args: tuple, constexprs: dict, *, num_warps: int = 4, num_stages: int = 3,
+                 launch_pdl: bool = False):
+        """``launch_pdl``: a programmatic dependent launch (see ``pdl_available``); the
+        kernel must ``gdc_wait`` before it reads what the previous kernel writes."""
         if not args[0].is_cuda:  # the interpreter (or compile-only mode): nothing to cache
             target = compile_only_target()
             if target is not None:
-                return _compile_for_target(self.fn, args, constexprs, num_warps, num_stages, target)
+                return _compile_for_target(self.fn, args, constexprs, num_warps, num_stages, launch_pdl, target)
             return self.fn[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
-        key = (specialization_key(args), tuple(constexprs.values()), num_warps, num_stages)
+        key = (specialization_key(args), tuple(constexprs.values()), num_warps, num_stages, launch_pdl)
         kernel = self.compiled.get(key)
         if kernel is None:
-            self.compiled[key] = self.fn[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
+            self.compiled[key] = self.fn[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages,
+                                               launch_pdl=launch_pdl)
             return
         # Triton's launcher takes every argument in signature order, constexprs included.
         bound = (*args, *(constexprs[name] for name in self.fn.arg_names[len(args):]))
@@ -98,6 +101,21 @@ class CachedKernel:
                    *bound)
 
 
+
+
+def pdl_available(device: torch.device) -> bool:
+    """Programmatic dependent launch (Hopper and later): a kernel launched with it may
+    start while the previous kernel in the stream is still running, and must wait
+    (``gdc_wait``) before reading what that kernel writes; what it reads before the wait
+    must not be written by it. Used only between kdakit's own kernels, where that holds
+    by construction. ``KDAKIT_PDL=0`` turns it off; compile-only mode (sm_90) turns it on
+    so that CI compiles the waiting variants."""
+    if os.environ.get("KDAKIT_PDL", "1") == "0":
+        return False
+    if device.type != "cuda":
+        target = compile_only_target()
+        return target is not None and target.arch >= 90
+    return torch.cuda.get_device_capability(device)[0] >= 9
 
 
 _COUNTERS: dict = {}  # (device, stream) -> int32 arrival counters, zero between launches

@@ -13,6 +13,8 @@ import triton.language as tl
 
 from .. import contracts, reference
 from ..backends import forced_backend, register, select
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
 from .launch import CachedKernel
 from .triton_math import delta_rule_update, kda_log_decay, l2_normalize
 
@@ -23,27 +25,40 @@ def _packed_decode_kernel(
     stride_qkv_row, stride_a_row, stride_b_row, stride_state_slot,
     scale, lower_bound,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, V_TILES: tl.constexpr, NUM_STAGES: tl.constexpr, EVICT: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, V_TILES: tl.constexpr, EVICT: tl.constexpr,
     USE_QK_L2NORM: tl.constexpr, SAFE_GATE: tl.constexpr,
+    WAIT_FOR_QKV: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
 ):
     # One program owns V_TILES tiles of BLOCK_V rows of one (request, value head)
     # state: the rows are independent given q, k, g, beta, so splitting V puts more
     # bytes in flight, and several tiles per program share one q/k/gate prologue.
+    # WAIT_FOR_QKV: launched as a programmatic dependent of the kernel that writes
+    # mixed_qkv (the conv of the unfused chain): everything else, the first state tile
+    # included, loads while that kernel finishes.
     i_v, i_hv, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_hv // (HV // H)
     offs_k = tl.arange(0, BLOCK_K)
     mask_k = offs_k < K
+    if LAUNCH_DEPENDENTS:
+        gdc_launch_dependents()
     # Every load that does not depend on the slot is issued first, so its latency
     # overlaps the slot -> state chain; no branch, so nothing waits on the slot early.
     row = mixed_qkv + i_b.to(tl.int64) * stride_qkv_row
-    q = tl.load(row + i_h * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-    k = tl.load(row + (H + i_h) * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
     a_raw = tl.load(a + i_b.to(tl.int64) * stride_a_row + i_hv * K + offs_k, mask=mask_k, other=0.0)
     bias = tl.load(dt_bias + i_hv * K + offs_k, mask=mask_k, other=0.0)
     b_raw = tl.load(b + i_b.to(tl.int64) * stride_b_row + i_hv)
     A_log_h = tl.load(A_log + i_hv)
     slot = tl.load(slot_indices + i_b).to(tl.int64)
     live = slot >= 0  # padding rows: masked loads and stores never touch the pool
+    # 64-bit offsets: slot * stride passes 2**31 in real pools.
+    head_state = state + slot * stride_state_slot + i_hv * V * K
+    first_v = i_v * V_TILES * BLOCK_V + tl.arange(0, BLOCK_V)
+    S_next = tl.load(head_state + first_v[:, None] * K + offs_k[None, :],
+                     mask=live & ((first_v < V)[:, None] & mask_k[None, :]), other=0.0, eviction_policy=EVICT)
+    if WAIT_FOR_QKV:
+        gdc_wait()
+    q = tl.load(row + i_h * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+    k = tl.load(row + (H + i_h) * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
 
     if USE_QK_L2NORM:
         q = l2_normalize(q)
@@ -52,15 +67,17 @@ def _packed_decode_kernel(
     g = kda_log_decay(a_raw.to(tl.float32), bias.to(tl.float32), A_log_h.to(tl.float32), lower_bound, SAFE_GATE)
     beta = tl.sigmoid(b_raw.to(tl.float32))
 
-    # 64-bit offsets: slot * stride passes 2**31 in real pools.
-    head_state = state + slot * stride_state_slot + i_hv * V * K
-    for tile in tl.range(0, V_TILES, num_stages=NUM_STAGES):
-        offs_v = (i_v * V_TILES + tile) * BLOCK_V + tl.arange(0, BLOCK_V)
+    # The next tile's state rows load while this one computes.
+    for tile in tl.static_range(V_TILES):
+        offs_v = first_v + tile * BLOCK_V
         mask_v = offs_v < V
         v = tl.load(row + 2 * H * K + i_hv * V + offs_v, mask=mask_v, other=0.0).to(tl.float32)
         s_ptrs = head_state + offs_v[:, None] * K + offs_k[None, :]
         mask_s = live & (mask_v[:, None] & mask_k[None, :])
-        S = tl.load(s_ptrs, mask=mask_s, other=0.0, eviction_policy=EVICT).to(tl.float32)
+        S = S_next.to(tl.float32)
+        if tile + 1 < V_TILES:
+            S_next = tl.load(s_ptrs + BLOCK_V * K, mask=live & ((offs_v + BLOCK_V < V)[:, None] & mask_k[None, :]),
+                             other=0.0, eviction_policy=EVICT)
         S = delta_rule_update(S, k, v, g, beta)
         o = tl.where(live, tl.sum(S * q[None, :], axis=1), 0.0)
         tl.store(s_ptrs, S.to(state.dtype.element_ty), mask=mask_s, eviction_policy=EVICT)
@@ -86,8 +103,11 @@ def _launch_config(batch: int, HV: int, V: int, K: int, state_itemsize: int) -> 
 
 @register("packed_decode", "triton")
 def packed_decode_triton(mixed_qkv, a, b, A_log, dt_bias, state, slot_indices, out, *,
-                         scale, use_qk_l2norm, lower_bound, config=None):
-    """``config = (BLOCK_V, V_TILES, num_warps, num_stages, EVICT)`` overrides the pinned choice (sweeps)."""
+                         scale, use_qk_l2norm, lower_bound, config=None, wait_for_qkv=False, launch_dependents=False):
+    """``config = (BLOCK_V, V_TILES, num_warps, num_stages, EVICT)`` overrides the pinned choice (sweeps).
+    ``wait_for_qkv``: a programmatic dependent launch after the kernel that writes
+    ``mixed_qkv`` (``launch.pdl_available``); ``launch_dependents``: let the next kernel
+    (launched so) start early."""
     B = mixed_qkv.shape[0]
     _, HV, V, K = state.shape
     H = reference.infer_packed_heads(mixed_qkv.shape[1], HV, V, K)
@@ -101,8 +121,9 @@ def packed_decode_triton(mixed_qkv, a, b, A_log, dt_bias, state, slot_indices, o
          mixed_qkv.stride(0), a.stride(0), b.stride(0), state.stride(0),
          float(scale), float(lower_bound) if lower_bound is not None else 0.0),
         dict(H=H, HV=HV, K=K, V=V, BLOCK_K=triton.next_power_of_2(K), BLOCK_V=block_v, V_TILES=v_tiles,
-             NUM_STAGES=num_stages, EVICT=evict, USE_QK_L2NORM=bool(use_qk_l2norm), SAFE_GATE=lower_bound is not None),
-        num_warps=num_warps, num_stages=num_stages)
+             EVICT=evict, USE_QK_L2NORM=bool(use_qk_l2norm), SAFE_GATE=lower_bound is not None,
+             WAIT_FOR_QKV=bool(wait_for_qkv), LAUNCH_DEPENDENTS=bool(launch_dependents)),
+        num_warps=num_warps, num_stages=num_stages, launch_pdl=bool(wait_for_qkv))
     return out
 
 
