@@ -1,13 +1,15 @@
 """Fused decode on the GPU: correctness at real sizes, then fused vs the unfused chain.
 
-    python benchmarks/bench_fused_decode.py [--quick] [--name NAME]
+    python benchmarks/bench_fused_decode.py [--quick] [--sweep one|chain] [--name NAME]
 
-Checks the fused kernel against the float64 reference (and against our unfused chain
-causal_conv1d_update -> packed_decode -> gated_rmsnorm) at Kimi sizes (H = HV = 32,
-K = V = 128, bf16 activations and conv windows, float32 state pool), then times,
-HBM-resident through harness.graph_time_us: fused decode (with and without the output
-norm), the three-op chain, and packed decode alone (post-conv inputs, no norm: the
-recurrence's floor). Writes JSON (harness.save) and prints a table last.
+Checks `fused_decode` against the float64 reference (and against the unfused chain of
+public ops causal_conv1d_update -> packed_decode -> gated_rmsnorm) at Kimi sizes (H = HV =
+32, K = V = 128, bf16 activations and conv windows, float32 state pool), the one-kernel
+step and the chain of dependent launches on their own, then times, HBM-resident through
+harness.graph_time_us: `fused_decode` as it dispatches (with and without the output norm),
+the one-kernel step, the chain of public ops, the op's chain with and without dependent
+launches, and packed decode alone (post-conv inputs, no norm: the recurrence's floor).
+Writes JSON (harness.save) and prints a table last.
 """
 from __future__ import annotations
 
@@ -78,7 +80,7 @@ def chain_call(layer, norm=True, lower_bound=None):
     return call
 
 
-def dependent_chain_call(layer, norm=True, pdl=True):
+def dependent_chain_call(layer, norm=True, pdl=True, conv_config=None, decode_config=None):
     """The op's own unfused chain, each kernel a programmatic dependent launch of the one before."""
     from kdakit.ops.fused_decode import _unfused_chain
     kw = dict(norm_gate=layer["norm_gate"], norm_weight=layer["norm_weight"]) if norm else dict(norm_gate=None,
@@ -86,7 +88,8 @@ def dependent_chain_call(layer, norm=True, pdl=True):
     K = layer["state"].shape[-1]
     return lambda: _unfused_chain(layer["qkv"], layer["conv_weight"], layer["conv_state"], layer["a"], layer["b"],
                                   layer["A_log"], layer["dt_bias"], layer["state"], layer["idx"], layer["out"],
-                                  conv_bias=None, scale=K ** -0.5, lower_bound=None, norm_eps=1e-6, pdl=pdl, **kw)
+                                  conv_bias=None, scale=K ** -0.5, lower_bound=None, norm_eps=1e-6, pdl=pdl,
+                                  conv_config=conv_config, decode_config=decode_config, **kw)
 
 
 def packed_call(layer):
@@ -173,10 +176,10 @@ def correctness(results):
         state0, conv0 = layer["state"].clone(), layer["conv_state"].clone()
         ref_out, ref_state, ref_conv = ref_fused(layer)
         first, same = None, True
-        for _ in range(200):
+        for _ in range(200):  # the one-kernel step (the op itself may run the chain here)
             layer["state"].copy_(state0)
             layer["conv_state"].copy_(conv0)
-            fused_call(layer)()
+            config_call(layer, one_kernel_config(N, H_, HV_), True)()
             now = (layer["out"].clone(), layer["state"].clone(), layer["conv_state"].clone())
             first = first or now
             same = same and all(torch.equal(a, b) for a, b in zip(first, now))
@@ -250,6 +253,12 @@ def check_dependent_chain(results):
     torch.cuda.empty_cache()
 
 
+def one_kernel_config(N, H=32, HV=32, K=128, V=128):
+    """The one-kernel step's pinned config (what runs without dependent launches)."""
+    from kdakit.ops.fused_decode import _launch_config
+    return _launch_config(N, H, HV, V, K)
+
+
 def config_call(layer, config, norm):
     from kdakit.ops.fused_decode import fused_decode_triton
     kw = dict(norm_gate=layer["norm_gate"], norm_weight=layer["norm_weight"]) if norm else dict(norm_gate=None,
@@ -266,15 +275,38 @@ def config_call(layer, config, norm):
 SWEEPS = {
     "one": [(c, True) for c in ((16, 1, 1), (8, 16, 1), (8, 2, 1), (8, 4, 1), (8, 8, 1), (16, 2, 1), (16, 4, 1),
                                 (128, 1, 4), (128, 1, 8), (128, 1, 16))],
-    # (.., 2): the decode kernel, then _finish_decode_kernel (windows' shift and norm)
-    "two": [(c, True) for c in ((16, 1, 1, 2), (8, 1, 1, 2), (8, 2, 1, 2), (8, 4, 1, 2), (4, 1, 1, 2),
-                                (8, 16, 1, 2))],
+    "chain": [],
 }
 SWEEP = []  # set from --sweep
+# --sweep chain: the dependent chain with other launch configs of its conv kernel
+# (BLOCK_C, num_warps) or its decode kernel (BLOCK_V, V_TILES, num_warps, num_stages, EVICT)
+CHAIN_SWEEP = [("conv", c) for c in ((128, 1), (512, 4), (1024, 4), (64, 1))] + [
+    ("decode", c) for c in ((2, 1, 1, 1, ""), (4, 1, 1, 1, ""), (8, 1, 1, 1, ""), (16, 1, 1, 1, ""), (8, 2, 1, 1, ""),
+                            (4, 2, 1, 1, ""))]
 
 
 def config_name(config, norm):
-    return "fused{}-bv{}-t{}-w{}".format("+norm" if norm else "", *config[:3]) + ("-k2" if config[3:] == (2,) else "")
+    return "fused{}-bv{}-t{}-w{}".format("+norm" if norm else "", *config)
+
+
+def check_chain_configs(results):
+    """Every swept chain config against float64 at N = 8 (one padding row)."""
+    H = HV = 32
+    K = V = 128
+    for part, config in CHAIN_SWEEP:
+        layer = make_layer(8, H, HV, K, V, seed=71)
+        layer["idx"][5] = -1
+        ref_out, ref_state, ref_conv = ref_fused(layer, True)
+        layer["out"].fill_(float("nan"))
+        dependent_chain_call(layer, True, True, **{part + "_config": config})()
+        live = layer["idx"][layer["idx"] >= 0].long()
+        conv_ok = torch.equal(layer["conv_state"][live], ref_conv[live].to(layer["conv_state"].dtype))
+        e_out, e_state = rel(layer["out"], ref_out), rel(layer["state"][live], ref_state[live])
+        results["checks"].append({"case": f"dependent-chain-{part}{list(config)}-N8-pad1", "out_err": e_out,
+                                  "state_err": e_state, "conv_bitwise": conv_ok,
+                                  "ok": conv_ok and e_out < 2e-2 and e_state < 1e-3})
+        del layer
+    torch.cuda.empty_cache()
 
 
 def check_configs(results):
@@ -325,12 +357,16 @@ def timings(results, quick: bool, sweep: bool = False):
                            ("fused", lambda l: fused_call(l, False)),
                            ("chain conv+decode+norm", lambda l: chain_call(l, True)),
                            ("chain conv+decode", lambda l: chain_call(l, False)),
+                           ("one-kernel step+norm", lambda l: config_call(l, one_kernel_config(N), True)),
                            ("dependent chain+norm", lambda l: dependent_chain_call(l, True)),
                            ("dependent chain", lambda l: dependent_chain_call(l, False)),
                            ("plain chain+norm (op)", lambda l: dependent_chain_call(l, True, False)),
                            ("packed_decode alone", packed_call)) + tuple(
                 (config_name(c, norm), (lambda l, c=c, norm=norm: config_call(l, c, norm)))
-                for c, norm in SWEEP):
+                for c, norm in SWEEP) + tuple(
+                (f"dependent chain+norm {part}{list(c)}",
+                 (lambda l, part=part, c=c: dependent_chain_call(l, True, True, **{part + "_config": c})))
+                for part, c in (CHAIN_SWEEP if sweep == "chain" else ())):
             try:
                 t = harness.graph_time_us([make(layer) for layer in layers])
                 results["rows"].append(harness.row(name, t, moved, ceiling, **base))
@@ -361,6 +397,8 @@ def main():
     if args.sweep:
         SWEEP.extend(SWEEPS[args.sweep])
         check_configs(results)
+        if args.sweep == "chain":
+            check_chain_configs(results)
     bad = [c for c in results["checks"] if not c["ok"]]
     timings(results, args.quick, args.sweep)
     harness.close_results(results)

@@ -194,19 +194,16 @@ def test_fused_equals_unfused_triton_chain(act_dtype, H, HV, K, V, norm):
 SINGLE_CONFIGS = [(8, 16, 1), (4, 16, 2), (2, 16, 1)]
 FULL_ROW_CONFIGS = [(32, 1, 1), (32, 1, 4)]
 SPLIT_CONFIGS = [(4, 1, 1), (8, 1, 2), (2, 1, 1), (4, 2, 1), (2, 4, 1)]
-# the decode kernel reads the windows, `_finish_decode_kernel` shifts them and norms
-TWO_KERNEL_CONFIGS = [(4, 1, 1, 2), (8, 2, 1, 2), (32, 1, 1, 2)]
 
 
 def config_id(c):
-    return "bv{}-tiles{}-warps{}".format(*c) + ("-two-kernels" if c[3:] == (2,) else "")
+    return "bv{}-tiles{}-warps{}".format(*c)
 
 
 CONFIG_CASES = ([pytest.param(c, 2, 2, norm, id=config_id(c) + f"-H2-norm{int(norm)}")
-                 for c in SINGLE_CONFIGS + FULL_ROW_CONFIGS + SPLIT_CONFIGS + TWO_KERNEL_CONFIGS
-                 for norm in (True, False)]
+                 for c in SINGLE_CONFIGS + FULL_ROW_CONFIGS + SPLIT_CONFIGS for norm in (True, False)]
                 + [pytest.param(c, H, HV, True, id=config_id(c) + f"-gva-H{H}-HV{HV}")
-                   for c in [(32, 1, 1)] + SPLIT_CONFIGS + TWO_KERNEL_CONFIGS for H, HV in ((1, 4), (2, 4))])
+                   for c in [(32, 1, 1)] + SPLIT_CONFIGS for H, HV in ((1, 4), (2, 4))])
 
 
 @pytest.mark.parametrize("V", [16, 20], ids=["V16", "V20-partial-last-tile"])
@@ -253,6 +250,20 @@ def test_large_batch_runs_the_unfused_chain(H, HV, norm, monkeypatch):
     for s in untouched_slots(9, idx):
         for n in ("state", "conv_state"):
             assert torch.equal(bits(t[n][s]), bits(before[n][s])), f"{n} slot {s} must stay bitwise"
+
+
+def test_plan_with_dependent_launches_is_the_chain():
+    """Where kernels can be programmatic dependent launches the op runs the chain at every
+    batch; elsewhere the one-kernel step up to CHAIN_ABOVE_PAIRS (request, head) pairs."""
+    from kdakit.ops.fused_decode import CHAIN_ABOVE_PAIRS, _chain_decode_config, _plan
+    assert _plan(1, 32, 32, 128, 128, pdl=True) == "chain"
+    assert _plan(1, 32, 32, 128, 128, pdl=False) != "chain"
+    assert _plan(CHAIN_ABOVE_PAIRS // 32 + 1, 32, 32, 128, 128, pdl=False) == "chain"
+    # the chain's decode config covers V whatever the batch (float32 and bfloat16 pools)
+    for batch in (1, 8, 32, 512):
+        for itemsize in (4, 2):
+            block_v, tiles, *_ = _chain_decode_config(batch, 32, 128, 128, itemsize)
+            assert block_v * tiles <= 128 and 128 % (block_v * tiles) == 0
 
 
 def test_default_scale_and_out_allocation():

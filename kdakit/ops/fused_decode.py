@@ -14,7 +14,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .. import contracts, reference
 from ..backends import register, select
@@ -23,7 +22,7 @@ from .gated_rmsnorm import gated_rmsnorm_triton
 from .launch import CachedKernel, arrival_counters, pdl_available
 from .packed_decode import packed_decode_triton
 from .triton_math import (conv_apply, conv_inputs, delta_rule_update, gated_rmsnorm_rows, kda_log_decay,
-                          l2_normalize, shift_window, short_conv, window_inputs)
+                          l2_normalize, shift_window, short_conv)
 
 
 @triton.jit
@@ -62,7 +61,6 @@ def _fused_decode_kernel(
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, V_TILES: tl.constexpr, PROGRAMS_PER_HEAD: tl.constexpr,
     BLOCK_V_ROW: tl.constexpr, BLOCK_TAPS: tl.constexpr,
     HAS_CONV_BIAS: tl.constexpr, SAFE_GATE: tl.constexpr, HAS_NORM: tl.constexpr,
-    FINISH_LATER: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
 ):
     # A program owns V_TILES tiles of BLOCK_V state rows of one (request, value head) and
     # streams them, the next tile's state rows and v-conv inputs loading while this tile
@@ -74,15 +72,10 @@ def _fused_decode_kernel(
     # once its window reads and o stores are done; the LAST to arrive writes the shifted q/k
     # windows, norms the o rows (which need all of V) and resets the counter. Its last
     # state tile is stored after the arrival, so the ordering fence waits for less.
-    # FINISH_LATER: the windows are only read here, and o stored before its norm;
-    # `_finish_decode_kernel`, launched next, shifts the windows and norms: no program
-    # waits for another.
-    SPLIT: tl.constexpr = GROUP * PROGRAMS_PER_HEAD > 1 and not FINISH_LATER
+    SPLIT: tl.constexpr = GROUP * PROGRAMS_PER_HEAD > 1
     # One tile holds the whole row of V: the norm runs on registers, no o round trip.
-    FULL_ROW: tl.constexpr = (not SPLIT) and (not FINISH_LATER) and V_TILES == 1 and BLOCK_V >= V
+    FULL_ROW: tl.constexpr = (not SPLIT) and V_TILES == 1 and BLOCK_V >= V
     i_v, i_hv, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    if LAUNCH_DEPENDENTS:  # the finishing kernel may load its inputs now
-        gdc_launch_dependents()
     i_h = i_hv // GROUP
     offs_k = tl.arange(0, BLOCK_K)
     mask_k = offs_k < K
@@ -137,13 +130,12 @@ def _fused_decode_kernel(
         v = conv_apply(x_cur, win_cur, w_cur, w_x_cur, bias_cur, W, BLOCK_TAPS, HAS_CONV_BIAS)
         S = delta_rule_update(S_cur.to(tl.float32), k, v, g, beta)
         o = tl.where(live, tl.sum(S * q[None, :], axis=1), 0.0)
-        if not FINISH_LATER:
-            # A window tap may be held by several threads (replicated layouts): every thread
-            # has read this tile's old v windows before any thread writes the shifted ones.
-            tl.debug_barrier()
-            v_chan = v_chan0 + offs_v
-            shift_window(win_row + v_chan.to(tl.int64) * stride_conv_chan, win_cur, x_cur, stride_conv_tap, mask_v,
-                         live, W, BLOCK_TAPS)
+        # A window tap may be held by several threads (replicated layouts): every thread has
+        # read this tile's old v windows before any thread writes the shifted ones.
+        tl.debug_barrier()
+        v_chan = v_chan0 + offs_v
+        shift_window(win_row + v_chan.to(tl.int64) * stride_conv_chan, win_cur, x_cur, stride_conv_tap, mask_v, live,
+                     W, BLOCK_TAPS)
         if FULL_ROW and HAS_NORM:  # o rounded to out's dtype first, as the unfused chain stores it
             o = gated_rmsnorm_rows(o.to(out.dtype.element_ty).to(tl.float32), gate_row, weight_row, norm_eps, V)
         # With the norm on a split row this is o before it, rounded as the unfused chain does.
@@ -153,22 +145,6 @@ def _fused_decode_kernel(
             store_now = live & (tile < V_TILES - 1)
         _store_tile(head_state, offs_v, offs_k, mask_k, S, store_now, V, K)
 
-    if not FINISH_LATER:
-        _finish_in_kernel(out, arrivals, norm_gate, norm_weight, head_state, S, q_win, q_old, q_x, k_win, k_old, k_x,
-                          first_row, offs_k, mask_k, live, i_b, i_h, stride_conv_tap, stride_gate_row, norm_eps,
-                          H, HV, GROUP, K, V, W, BLOCK_V, V_TILES, PROGRAMS_PER_HEAD, BLOCK_V_ROW, BLOCK_TAPS,
-                          HAS_NORM, SPLIT, FULL_ROW)
-
-
-@triton.jit
-def _finish_in_kernel(out, arrivals, norm_gate, norm_weight, head_state, S, q_win, q_old, q_x, k_win, k_old, k_x,
-                      first_row, offs_k, mask_k, live, i_b, i_h, stride_conv_tap, stride_gate_row, norm_eps,
-                      H: tl.constexpr, HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                      W: tl.constexpr, BLOCK_V: tl.constexpr, V_TILES: tl.constexpr,
-                      PROGRAMS_PER_HEAD: tl.constexpr, BLOCK_V_ROW: tl.constexpr, BLOCK_TAPS: tl.constexpr,
-                      HAS_NORM: tl.constexpr, SPLIT: tl.constexpr, FULL_ROW: tl.constexpr):
-    """The one-kernel step's end: the q/k windows shifted and the o rows normed by the
-    last program of the key head to arrive (the only one when not SPLIT)."""
     if SPLIT:
         # Every thread's window reads and o stores precede the arrival (release); the last
         # program's reads of the other programs' o follow it (acquire).
@@ -201,56 +177,7 @@ def _finish_in_kernel(out, arrivals, norm_gate, norm_weight, head_state, S, q_wi
             tl.store(arrivals + i_b * H + i_h, 0)
 
 
-@triton.jit
-def _finish_decode_kernel(
-    qkv, conv_state, slot_indices, norm_gate, norm_weight, out,
-    stride_qkv_row, stride_conv_slot, stride_conv_chan, stride_conv_tap, stride_gate_row, norm_eps,
-    H: tl.constexpr, HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_V_ROW: tl.constexpr, BLOCK_TAPS: tl.constexpr, HAS_NORM: tl.constexpr,
-    WAIT_FOR_DECODE: tl.constexpr,
-):
-    # The end of the two-kernel step, one program per (value head, request): once the
-    # decode kernel (FINISH_LATER) is done, shift this head's windows (the first value head
-    # of a key head also shifts its q/k windows) and norm its o row in place. What the
-    # decode kernel does not write (inputs, old windows, gate) loads before the wait.
-    i_hv, i_b = tl.program_id(0), tl.program_id(1)
-    i_h = i_hv // GROUP
-    leader = i_hv % GROUP == 0
-    slot = tl.load(slot_indices + i_b).to(tl.int64)
-    live = slot >= 0
-    row = qkv + i_b.to(tl.int64) * stride_qkv_row
-    win_row = conv_state + slot * stride_conv_slot
-    offs_k = tl.arange(0, BLOCK_K)
-    mask_k = (offs_k < K) & leader
-    offs_v = tl.arange(0, BLOCK_V_ROW)
-    mask_v = offs_v < V
-    q_chan = i_h * K + offs_k
-    k_chan = (H + i_h) * K + offs_k
-    v_chan = 2 * H * K + i_hv * V + offs_v
-    q_win, k_win = win_row + q_chan.to(tl.int64) * stride_conv_chan, win_row + k_chan.to(tl.int64) * stride_conv_chan
-    v_win = win_row + v_chan.to(tl.int64) * stride_conv_chan
-    q_x, q_old = window_inputs(row + q_chan, q_win, stride_conv_tap, mask_k, live, W, BLOCK_TAPS)
-    k_x, k_old = window_inputs(row + k_chan, k_win, stride_conv_tap, mask_k, live, W, BLOCK_TAPS)
-    v_x, v_old = window_inputs(row + v_chan, v_win, stride_conv_tap, mask_v, live, W, BLOCK_TAPS)
-    if HAS_NORM:
-        gate = tl.load(norm_gate + i_b.to(tl.int64) * stride_gate_row + i_hv * V + offs_v, mask=mask_v, other=0.0)
-        w = tl.load(norm_weight + offs_v, mask=mask_v, other=0.0)
-    if WAIT_FOR_DECODE:
-        gdc_wait()
-    # Every thread has read the old windows (replicated layouts) before any writes.
-    tl.debug_barrier()
-    shift_window(q_win, q_old, q_x, stride_conv_tap, mask_k, live, W, BLOCK_TAPS)
-    shift_window(k_win, k_old, k_x, stride_conv_tap, mask_k, live, W, BLOCK_TAPS)
-    shift_window(v_win, v_old, v_x, stride_conv_tap, mask_v, live, W, BLOCK_TAPS)
-    if HAS_NORM:
-        o_ptrs = out + (i_b * HV + i_hv) * V + offs_v
-        o_row = tl.load(o_ptrs, mask=mask_v, other=0.0).to(tl.float32)
-        o_row = gated_rmsnorm_rows(o_row, gate.to(tl.float32), w, norm_eps, V)
-        tl.store(o_ptrs, o_row.to(out.dtype.element_ty), mask=mask_v)
-
-
 _fused_decode = CachedKernel(_fused_decode_kernel)
-_finish_decode = CachedKernel(_finish_decode_kernel)
 
 
 def _launch_config(batch: int, H: int, HV: int, V: int, K: int) -> tuple:
@@ -281,26 +208,47 @@ CHAIN_ABOVE_PAIRS = 1024
 
 
 def _plan(batch: int, H: int, HV: int, V: int, K: int, pdl: bool):
-    """Which kernels run the step: "chain", or a fused-kernel config (see fused_decode_triton)."""
-    if batch * HV > CHAIN_ABOVE_PAIRS:
+    """Which kernels run the step: "chain", or a fused-kernel config (see fused_decode_triton).
+    With programmatic dependent launches the chain won at every batch on the H200
+    (fused_decode_pdl_h200.json, fused_decode_two_kernels_sweep_h200.json: N = 1 5.7-5.8 us
+    against 7.6-7.7 for the one-kernel step and 6.0 for the best two-kernel plan, measured
+    and removed). Without them (before Hopper, or KDAKIT_PDL=0), the one-kernel step up to
+    CHAIN_ABOVE_PAIRS."""
+    if pdl or batch * HV > CHAIN_ABOVE_PAIRS:
         return "chain"
     return _launch_config(batch, H, HV, V, K)
 
 
+def _chain_decode_config(batch: int, HV: int, V: int, K: int, state_itemsize: int) -> tuple:
+    """The chain's packed-decode launch config (as ``packed_decode._launch_config``), pinned
+    from fused_decode_chain_sweep_h200.json, where it starts before the conv ends and its
+    first state tile loads before it waits: one 4 KB tile per program (N = 1 5.56 us against
+    5.71 for half tiles; N = 128 151.0 against 154.2 for two tiles per program), two 2 KB
+    tiles per program from 33 to 1024 (request, head) pairs (N = 8 13.8 against 14.7 us)."""
+    rows = max(1, min(triton.next_power_of_2(V), 4096 // (triton.next_power_of_2(K) * state_itemsize)))
+    if 32 < batch * HV <= 1024 and V >= rows:
+        return max(1, rows // 2), 2, 1, 1, ""
+    return rows, 1, 1, 1, ""
+
+
 def _unfused_chain(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, state, slot_indices, out, *, conv_bias,
-                   scale, lower_bound, norm_gate, norm_weight, norm_eps, pdl=None):
+                   scale, lower_bound, norm_gate, norm_weight, norm_eps, pdl=None, conv_config=None,
+                   decode_config=None):
     """conv -> packed decode (-> gated norm). ``pdl`` (default: ``pdl_available``): each
     kernel after the first is a programmatic dependent launch of the one before, so its
     launch and its loads of what the one before does not write (the state tiles, the
-    gate) overlap that kernel's tail; the conv itself waits for the whole stream."""
-    B, HV, V = qkv.shape[0], state.shape[1], state.shape[2]
+    gate) overlap that kernel's tail; the conv itself waits for the whole stream.
+    ``conv_config``, ``decode_config``: the kernels' launch configs (sweeps)."""
+    B, HV, V, K = qkv.shape[0], *state.shape[1:]
     pdl = pdl_available(qkv.device) if pdl is None else pdl
     has_norm = norm_weight is not None
     mixed = causal_conv1d_update_triton(qkv, conv_state, conv_weight, slot_indices, torch.empty_like(qkv),
-                                        bias=conv_bias, launch_dependents=pdl)
+                                        bias=conv_bias, config=conv_config, launch_dependents=pdl)
     o = torch.empty(out.shape, dtype=out.dtype, device=out.device) if has_norm else out
     packed_decode_triton(mixed, a, b, A_log, dt_bias, state, slot_indices, o, scale=scale, use_qk_l2norm=True,
-                         lower_bound=lower_bound, wait_for_qkv=pdl, launch_dependents=pdl and has_norm)
+                         lower_bound=lower_bound, wait_for_qkv=pdl,
+                         config=decode_config or _chain_decode_config(B, HV, V, K, state.element_size()),
+                         launch_dependents=pdl and has_norm)
     if has_norm:
         gate = norm_gate.unflatten(-1, (HV, V)).unsqueeze(1)
         groups = contracts.check_gated_rmsnorm(o, gate, norm_weight, out, eps=norm_eps, full_checks=False)
@@ -311,11 +259,10 @@ def _unfused_chain(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, state, sl
 @register("fused_decode", "triton")
 def fused_decode_triton(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, state, slot_indices, out, *,
                         conv_bias, scale, lower_bound, norm_gate, norm_weight, norm_eps, config=None, pdl=None):
-    """``config = (BLOCK_V, V_TILES, num_warps[, kernels])`` overrides the pinned plan
-    (sweeps): each program of the decode kernel streams V_TILES tiles of BLOCK_V rows, as
-    many programs per head as cover V; ``kernels = 1`` the one-kernel step, ``2`` the decode
-    kernel then `_finish_decode_kernel`; ``config = "chain"`` the unfused chain. ``pdl``
-    (default ``pdl_available``): later kernels of a plan start while the one before ends."""
+    """``config = (BLOCK_V, V_TILES, num_warps)`` runs the one-kernel step with that launch
+    config (sweeps): each program streams V_TILES tiles of BLOCK_V rows, as many programs
+    per head as cover V; ``config = "chain"`` the unfused chain. ``pdl`` (default
+    ``pdl_available``): the chain's later kernels start while the one before ends."""
     B = qkv.shape[0]
     _, HV, V, K = state.shape
     H = reference.infer_packed_heads(qkv.shape[1], HV, V, K)
@@ -328,38 +275,24 @@ def fused_decode_triton(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, stat
                               conv_bias=conv_bias, scale=scale, lower_bound=lower_bound, norm_gate=norm_gate,
                               norm_weight=norm_weight, norm_eps=norm_eps, pdl=pdl)
     has_norm = norm_weight is not None
-    block_v, v_tiles, num_warps, *kernels = plan
-    finish_later = (kernels[0] if kernels else 1) == 2
+    block_v, v_tiles, num_warps = plan
     v_tiles = min(v_tiles, triton.cdiv(V, block_v))  # no program streams tiles past V
     programs_per_head = triton.cdiv(V, block_v * v_tiles)
-    split = programs_per_head * (HV // H) > 1 and not finish_later
+    split = programs_per_head * (HV // H) > 1
     W = conv_weight.shape[1]
-    gate_or_any, weight_or_any = (norm_gate, norm_weight) if has_norm else (qkv, conv_weight)
-    stride_gate_row = norm_gate.stride(0) if has_norm else 0
     _fused_decode(
         (programs_per_head, HV, B),
         (qkv, conv_weight, conv_bias if conv_bias is not None else conv_weight, conv_state, a, b, A_log, dt_bias,
-         state, slot_indices, gate_or_any, weight_or_any, out,
+         state, slot_indices, norm_gate if has_norm else qkv, norm_weight if has_norm else conv_weight, out,
          arrival_counters(qkv.device, B * H) if split else slot_indices,
          qkv.stride(0), conv_state.stride(0), conv_state.stride(1), conv_state.stride(2), a.stride(0), b.stride(0),
-         state.stride(0), stride_gate_row,
+         state.stride(0), norm_gate.stride(0) if has_norm else 0,
          float(scale), float(lower_bound) if lower_bound is not None else 0.0, float(norm_eps)),
         dict(H=H, HV=HV, GROUP=HV // H, K=K, V=V, W=W, BLOCK_K=triton.next_power_of_2(K), BLOCK_V=block_v,
              V_TILES=v_tiles, PROGRAMS_PER_HEAD=programs_per_head, BLOCK_V_ROW=triton.next_power_of_2(V),
              BLOCK_TAPS=triton.next_power_of_2(W - 1), HAS_CONV_BIAS=conv_bias is not None,
-             SAFE_GATE=lower_bound is not None, HAS_NORM=has_norm, FINISH_LATER=finish_later,
-             LAUNCH_DEPENDENTS=finish_later and pdl),
+             SAFE_GATE=lower_bound is not None, HAS_NORM=has_norm),
         num_warps=num_warps, num_stages=1)
-    if finish_later:
-        _finish_decode(
-            (HV, B, 1),
-            (qkv, conv_state, slot_indices, gate_or_any, weight_or_any, out,
-             qkv.stride(0), conv_state.stride(0), conv_state.stride(1), conv_state.stride(2), stride_gate_row,
-             float(norm_eps)),
-            dict(H=H, HV=HV, GROUP=HV // H, K=K, V=V, W=W, BLOCK_K=triton.next_power_of_2(K),
-                 BLOCK_V_ROW=triton.next_power_of_2(V), BLOCK_TAPS=triton.next_power_of_2(W - 1), HAS_NORM=has_norm,
-                 WAIT_FOR_DECODE=pdl),
-            num_warps=4, num_stages=1, launch_pdl=pdl)
     return out
 
 

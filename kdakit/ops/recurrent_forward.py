@@ -39,56 +39,6 @@ def _load_state_tile(head_state, offs_v, offs_k, stride_v, stride_k, mask):
 
 
 @triton.jit
-def _token_inputs(q, k, g, beta, t, present, i_h, i_hv, offs_k, mask_k, bias, A_log_h, scale, lower_bound,
-                  stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_g_t, stride_g_h, stride_b_t, stride_b_h,
-                  USE_QK_L2NORM: tl.constexpr, GATE_IN_KERNEL: tl.constexpr, SAFE_GATE: tl.constexpr,
-                  BETA_MODE: tl.constexpr):
-    """Token ``t``'s normalised, scaled q and k, log-decay g and β (nothing read unless ``present``)."""
-    mask_k = mask_k & present
-    q_t = tl.load(q + t * stride_q_t + i_h * stride_q_h + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-    k_t = tl.load(k + t * stride_k_t + i_h * stride_k_h + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-    g_t = tl.load(g + t * stride_g_t + i_hv * stride_g_h + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-    b_t = tl.load(beta + t * stride_b_t + i_hv * stride_b_h, mask=present, other=0.0).to(tl.float32)
-    if USE_QK_L2NORM:
-        q_t = l2_normalize(q_t)
-        k_t = l2_normalize(k_t)
-    q_t = q_t * scale
-    if GATE_IN_KERNEL:
-        g_t = kda_log_decay(g_t, bias, A_log_h, lower_bound, SAFE_GATE)
-    if BETA_MODE == 1:
-        b_t = tl.sigmoid(b_t)
-    if BETA_MODE == 2:
-        b_t = tl.sigmoid(b_t) * 2.0
-    return q_t, k_t, g_t, b_t
-
-
-@triton.jit
-def _token_step(S, q_t, k_t, g_t, b_t, v, out, state, slot_indices, token_states, t, present, bos, n64, i_hv, offs_v,
-                mask_v, mask_s, tile, keep, stride_v_t, stride_v_h, stride_o_t, stride_o_h, stride_s_slot,
-                stride_ts_t, stride_ts_h, stride_ts_v, stride_ts_k, stride_idx_n, stride_idx_t, offs_k,
-                PER_TOKEN_SLOTS: tl.constexpr, WRITE_STATE: tl.constexpr, HAS_TOKEN_STATES: tl.constexpr):
-    """One token on a state tile: the update, its output rows, and the state after it
-    where the caller keeps one (``token_states``, or fla's per-token slots); nothing
-    stored unless ``present``. Returns the updated tile (whatever ``present``)."""
-    mask_v = mask_v & present
-    mask_s = mask_s & present
-    v_t = tl.load(v + t * stride_v_t + i_hv * stride_v_h + offs_v, mask=mask_v, other=0.0).to(tl.float32)
-    S = delta_rule_update(S, k_t, v_t, g_t, b_t)
-    o = tl.where(keep, tl.sum(S * q_t[None, :], axis=1), 0.0)
-    tl.store(out + t * stride_o_t + i_hv * stride_o_h + offs_v, o.to(out.dtype.element_ty), mask=mask_v)
-    if HAS_TOKEN_STATES:
-        p_ts = token_states + t * stride_ts_t + i_hv * stride_ts_h
-        tl.store(p_ts + offs_v[:, None] * stride_ts_v + offs_k[None, :] * stride_ts_k,
-                 tl.where(keep, S, 0.0).to(token_states.dtype.element_ty), mask=mask_s)
-    if PER_TOKEN_SLOTS:
-        if WRITE_STATE:
-            slot_t = tl.load(slot_indices + n64 * stride_idx_n + (t - bos) * stride_idx_t).to(tl.int64)
-            tl.store(state + slot_t * stride_s_slot + tile, S.to(state.dtype.element_ty),
-                     mask=(slot_t >= 0) & keep & mask_s)
-    return S
-
-
-@triton.jit
 def _recurrent_forward_kernel(
     q, k, v, g, beta, A_log, dt_bias, out, state, slot_indices, num_accepted, cu_seqlens, token_states, final_states,
     T,
@@ -133,23 +83,15 @@ def _recurrent_forward_kernel(
     if GATE_IN_KERNEL:
         A_log_h = tl.load(A_log + i_hv).to(tl.float32)
         bias = tl.load(dt_bias + i_hv * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-    else:
-        A_log_h = 0.0
-        bias = tl.zeros([BLOCK_K], dtype=tl.float32)
-    # V_TILES tiles of BLOCK_V rows one after the other: they share the program's setup and
-    # the first token's q/k/gate work (all of it for one-token sequences), the next tile's
-    # state load is in flight while this one computes, and later tokens' loads hit the cache.
+    # V_TILES tiles of BLOCK_V rows one after the other: they share the program's setup,
+    # the next tile's state load is in flight while this one computes, and the next tile's
+    # token loads hit the cache.
     first_v = i_v * V_TILES * BLOCK_V + tl.arange(0, BLOCK_V)
     if PREFETCH_TILE:
         S_next = _load_state_tile(state + slot * stride_s_slot + i_hv * stride_s_h, first_v, offs_k, stride_s_v,
                                   stride_s_k, (slot >= 0) & (first_v < V)[:, None] & mask_k[None, :])
-    has_first = bos < eos
-    q_0, k_0, g_0, b_0 = _token_inputs(q, k, g, beta, bos, has_first, i_h, i_hv, offs_k, mask_k, bias, A_log_h,
-                                       scale, lower_bound, stride_q_t, stride_q_h, stride_k_t, stride_k_h,
-                                       stride_g_t, stride_g_h, stride_b_t, stride_b_h,
-                                       USE_QK_L2NORM, GATE_IN_KERNEL, SAFE_GATE, BETA_MODE)
     for i_tile in tl.static_range(V_TILES):
-        offs_v = first_v + i_tile * BLOCK_V
+        offs_v = (i_v * V_TILES + i_tile) * BLOCK_V + tl.arange(0, BLOCK_V)
         mask_v = offs_v < V
         mask_s = mask_v[:, None] & mask_k[None, :]
         tile = i_hv * stride_s_h + offs_v[:, None] * stride_s_v + offs_k[None, :] * stride_s_k
@@ -162,23 +104,36 @@ def _recurrent_forward_kernel(
             next_v = offs_v + BLOCK_V
             S_next = _load_state_tile(state + slot * stride_s_slot + i_hv * stride_s_h, next_v, offs_k, stride_s_v,
                                       stride_s_k, (slot >= 0) & (next_v < V)[:, None] & mask_k[None, :])
-        # Branch-free (a sequence of no tokens keeps its tile): an `if` here made the GPU
-        # compiler fail for four tiles per program.
-        S_first = _token_step(S, q_0, k_0, g_0, b_0, v, out, state, slot_indices, token_states, bos, has_first, bos,
-                              n64, i_hv, offs_v, mask_v, mask_s, tile, keep, stride_v_t, stride_v_h, stride_o_t,
-                              stride_o_h, stride_s_slot, stride_ts_t, stride_ts_h, stride_ts_v, stride_ts_k,
-                              stride_idx_n, stride_idx_t, offs_k, PER_TOKEN_SLOTS, WRITE_STATE, HAS_TOKEN_STATES)
-        S = tl.where(has_first, S_first, S)
-        t = bos + 1
+
+        t = bos
         while t < eos:
-            q_t, k_t, g_t, b_t = _token_inputs(q, k, g, beta, t, True, i_h, i_hv, offs_k, mask_k, bias, A_log_h,
-                                               scale, lower_bound, stride_q_t, stride_q_h, stride_k_t, stride_k_h,
-                                               stride_g_t, stride_g_h, stride_b_t, stride_b_h,
-                                               USE_QK_L2NORM, GATE_IN_KERNEL, SAFE_GATE, BETA_MODE)
-            S = _token_step(S, q_t, k_t, g_t, b_t, v, out, state, slot_indices, token_states, t, True, bos, n64, i_hv,
-                            offs_v, mask_v, mask_s, tile, keep, stride_v_t, stride_v_h, stride_o_t, stride_o_h,
-                            stride_s_slot, stride_ts_t, stride_ts_h, stride_ts_v, stride_ts_k, stride_idx_n,
-                            stride_idx_t, offs_k, PER_TOKEN_SLOTS, WRITE_STATE, HAS_TOKEN_STATES)
+            q_t = tl.load(q + t * stride_q_t + i_h * stride_q_h + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+            k_t = tl.load(k + t * stride_k_t + i_h * stride_k_h + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+            g_t = tl.load(g + t * stride_g_t + i_hv * stride_g_h + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+            b_t = tl.load(beta + t * stride_b_t + i_hv * stride_b_h).to(tl.float32)
+            v_t = tl.load(v + t * stride_v_t + i_hv * stride_v_h + offs_v, mask=mask_v, other=0.0).to(tl.float32)
+            if USE_QK_L2NORM:
+                q_t = l2_normalize(q_t)
+                k_t = l2_normalize(k_t)
+            q_t = q_t * scale
+            if GATE_IN_KERNEL:
+                g_t = kda_log_decay(g_t, bias, A_log_h, lower_bound, SAFE_GATE)
+            if BETA_MODE == 1:
+                b_t = tl.sigmoid(b_t)
+            if BETA_MODE == 2:
+                b_t = tl.sigmoid(b_t) * 2.0
+            S = delta_rule_update(S, k_t, v_t, g_t, b_t)
+            o = tl.where(keep, tl.sum(S * q_t[None, :], axis=1), 0.0)
+            tl.store(out + t * stride_o_t + i_hv * stride_o_h + offs_v, o.to(out.dtype.element_ty), mask=mask_v)
+            if HAS_TOKEN_STATES:
+                p_ts = token_states + t * stride_ts_t + i_hv * stride_ts_h
+                tl.store(p_ts + offs_v[:, None] * stride_ts_v + offs_k[None, :] * stride_ts_k,
+                         tl.where(keep, S, 0.0).to(token_states.dtype.element_ty), mask=mask_s)
+            if PER_TOKEN_SLOTS:
+                if WRITE_STATE:
+                    slot_t = tl.load(slot_indices + n64 * stride_idx_n + (t - bos) * stride_idx_t).to(tl.int64)
+                    tl.store(state + slot_t * stride_s_slot + tile, S.to(state.dtype.element_ty),
+                             mask=(slot_t >= 0) & keep & mask_s)
             t += 1
 
         if not PER_TOKEN_SLOTS:

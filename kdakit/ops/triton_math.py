@@ -46,16 +46,6 @@ def gated_rmsnorm_rows(o, gate, weight, eps, V: tl.constexpr):
 
 
 @triton.jit
-def window_inputs(x_ptrs, win_ptrs, stride_tap, mask, live, W: tl.constexpr, BLOCK_TAPS: tl.constexpr):
-    """A block of channels' token input and old window (``conv_inputs``), what ``shift_window`` stores."""
-    taps = tl.arange(0, BLOCK_TAPS)
-    x = tl.load(x_ptrs, mask=mask, other=0.0)
-    win = tl.load(win_ptrs[:, None] + taps[None, :] * stride_tap, mask=(mask[:, None] & (taps[None, :] < W - 1)) & live,
-                  other=0.0)
-    return x, win
-
-
-@triton.jit
 def conv_inputs(x_ptrs, win_ptrs, w_ptrs, bias_ptrs, stride_tap, mask, live,
                 W: tl.constexpr, BLOCK_TAPS: tl.constexpr, HAS_BIAS: tl.constexpr):
     """The loads of one token of the causal short conv for a block of channels, apart from
@@ -67,9 +57,11 @@ def conv_inputs(x_ptrs, win_ptrs, w_ptrs, bias_ptrs, stride_tap, mask, live,
     ``live``: scalar, False for padding rows (no window access). Returns the input, the
     old window, the weights of the window taps, the weight of the input, and the bias.
     """
-    x, win = window_inputs(x_ptrs, win_ptrs, stride_tap, mask, live, W, BLOCK_TAPS)
     taps = tl.arange(0, BLOCK_TAPS)
-    w_taps = tl.load(w_ptrs[:, None] + taps[None, :], mask=mask[:, None] & (taps[None, :] < W - 1), other=0.0)
+    tap_mask = mask[:, None] & (taps[None, :] < W - 1)
+    x = tl.load(x_ptrs, mask=mask, other=0.0)
+    win = tl.load(win_ptrs[:, None] + taps[None, :] * stride_tap, mask=tap_mask & live, other=0.0)
+    w_taps = tl.load(w_ptrs[:, None] + taps[None, :], mask=tap_mask, other=0.0)
     w_x = tl.load(w_ptrs + (W - 1), mask=mask, other=0.0)
     if HAS_BIAS:
         bias = tl.load(bias_ptrs, mask=mask, other=0.0)
