@@ -13,11 +13,12 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .. import contracts, reference
 from ..backends import register, select
-from .launch import CachedKernel
-from .gated_rmsnorm import gated_rmsnorm
+from .gated_rmsnorm import gated_rmsnorm_triton
+from .launch import CachedKernel, pdl_available
 from .triton_math import delta_rule_update, kda_log_decay, l2_normalize
 from .verify_conv import verify_conv
 
@@ -48,13 +49,17 @@ def _mtp_verify_kernel(
     T: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
     SNAPSHOT: tl.constexpr, RING: tl.constexpr, SAFE_GATE: tl.constexpr,
+    WAIT_FOR_TOKENS: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
 ):
     # One program: BLOCK_V state rows of one (request, value head), carried in registers
     # through the T steps; each step's inputs are loaded while the previous step computes
     # (faster than preparing chunks of steps at once: results/mtp_schedule_sweep_h200.json).
     # Data shared by the programs of a key head (the k ring) has one writer: the group's
-    # first value head, V tile 0.
+    # first value head, V tile 0. WAIT_FOR_TOKENS: a programmatic dependent launch after the
+    # conv prologue that writes q, k, v; the state tile loads while that kernel ends.
     i_v, i_hv, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if LAUNCH_DEPENDENTS:  # the output norm may start loading its gate now
+        gdc_launch_dependents()
     G: tl.constexpr = HV // H
     i_h = i_hv // G
     offs_k = tl.arange(0, BLOCK_K)
@@ -78,6 +83,8 @@ def _mtp_verify_kernel(
     ch_v = i_hv * V + offs_v
     bias = tl.load(dt_bias + i_hv * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
     A_log_h = tl.load(A_log + i_hv).to(tl.float32)
+    if WAIT_FOR_TOKENS:
+        gdc_wait()
 
     nxt = _load_step(x_q, x_k, x_v, a, b, 0, n64, i_hv, ch_qk, ch_v, offs_k, mask_k, mask_v, bias, A_log_h,
                      lower_bound, T, H, HV, K, V, SAFE_GATE)
@@ -134,9 +141,12 @@ def mtp_verify_triton(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratc
     HV, V = v.shape[-2:]
     if N == 0:
         return out
-    if conv_weights is not None:  # its own kernel first; the recurrence reads the post-conv tokens
+    # Programmatic dependent launches (see launch.pdl_available) between our own kernels.
+    pdl = pdl_available(q.device)
+    conv = conv_weights is not None
+    if conv:  # its own kernel first; the recurrence reads the post-conv tokens
         q, k, v = verify_conv(q, k, v, conv_weights, conv_bias, conv_states, intermediate_conv, slot_indices,
-                              scratch_indices)
+                              scratch_indices, launch_dependents=pdl)
     dummy = state  # never dereferenced: the constexpr flags compile its uses away
     ring_k, ring_v, ring_g, ring_beta = rings if rings is not None else (None,) * 4
     norm = norm_weight is not None
@@ -151,10 +161,11 @@ def mtp_verify_triton(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratc
          float(scale), float(lower_bound) if lower_bound is not None else 0.0),
         dict(T=T, H=H, HV=HV, K=K, V=V, BLOCK_K=triton.next_power_of_2(K), BLOCK_V=block_v,
              SNAPSHOT=snapshots is not None and rings is None, RING=rings is not None,
-             SAFE_GATE=lower_bound is not None),
-        num_warps=num_warps, num_stages=1)
+             SAFE_GATE=lower_bound is not None, WAIT_FOR_TOKENS=conv and pdl, LAUNCH_DEPENDENTS=norm and pdl),
+        num_warps=num_warps, num_stages=1, launch_pdl=conv and pdl)
     if norm:  # padding rows stay zero: their raw output is zero, and so is its norm
-        gated_rmsnorm(raw_out, norm_gate, norm_weight, eps=norm_eps, out=out, backend="triton")
+        groups = contracts.check_gated_rmsnorm(raw_out, norm_gate, norm_weight, out, eps=norm_eps, full_checks=False)
+        gated_rmsnorm_triton(raw_out, norm_gate, norm_weight, out, eps=norm_eps, groups=groups, wait_for_x=pdl)
     return out
 
 

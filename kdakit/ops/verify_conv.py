@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from triton.language.extra.cuda import gdc_launch_dependents
+
 from .launch import CachedKernel
 
 
@@ -80,12 +82,14 @@ def _verify_conv_kernel(
     s_csq_slot, s_csq_c, s_csq_w, s_csk_slot, s_csk_c, s_csk_w, s_csv_slot, s_csv_c, s_csv_w,
     s_icq_row, s_icq_t, s_ick_row, s_ick_t, s_icv_row, s_icv_t,
     C_QK: tl.constexpr, C_V: tl.constexpr, T: tl.constexpr, W: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, HAS_BIAS: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
 ):
     # One program: BLOCK_C channels of q, k or v (program_id 2) of one request, all steps.
     # A padding row (slot < 0) reads no window and writes none; its post-conv tokens are
     # never used (the recurrence writes zeros for it).
     i_c, i_n, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if LAUNCH_DEPENDENTS:  # the recurrence may start loading its state tiles now
+        gdc_launch_dependents()
     slot = tl.load(slot_indices + i_n).to(tl.int64)
     row = tl.load(scratch_indices + i_n).to(tl.int64)
     live = slot >= 0
@@ -106,9 +110,11 @@ _verify_conv = CachedKernel(_verify_conv_kernel)
 BLOCK_C = 128  # channels per program: [steps, 128] tiles, every load 256 contiguous bytes
 
 
-def verify_conv(q, k, v, conv_weights, conv_bias, conv_states, intermediate_conv, slot_indices, scratch_indices):
+def verify_conv(q, k, v, conv_weights, conv_bias, conv_states, intermediate_conv, slot_indices, scratch_indices, *,
+                launch_dependents=False):
     """Post-conv ``(q, k, v)`` of every step (new tensors shaped like the inputs); the windows
-    after each step go to ``intermediate_conv[i][scratch_indices[n], t]``."""
+    after each step go to ``intermediate_conv[i][scratch_indices[n], t]``. ``launch_dependents``:
+    the next kernel, a programmatic dependent launch, may start early."""
     N, T, H, K = q.shape
     HV, V = v.shape[2:]
     post = tuple(torch.empty_like(t) for t in (q, k, v))
@@ -119,6 +125,6 @@ def verify_conv(q, k, v, conv_weights, conv_bias, conv_states, intermediate_conv
          *(cs.stride(d) for cs in conv_states for d in (0, 1, 2)),
          *(ic.stride(d) for ic in intermediate_conv for d in (0, 1))),
         dict(C_QK=H * K, C_V=HV * V, T=T, W=conv_weights[0].shape[1], BLOCK_T=triton.next_power_of_2(T),
-             BLOCK_C=BLOCK_C, HAS_BIAS=conv_bias is not None),
+             BLOCK_C=BLOCK_C, HAS_BIAS=conv_bias is not None, LAUNCH_DEPENDENTS=bool(launch_dependents)),
         num_warps=4, num_stages=1)
     return post
