@@ -20,6 +20,7 @@ from ..backends import register, select
 from .conv1d_update import causal_conv1d_update_triton
 from .gated_rmsnorm import gated_rmsnorm_triton
 from .launch import CachedKernel, arrival_counters, pdl_available
+from .packed_decode import _launch_config as packed_launch_config
 from .packed_decode import packed_decode_triton
 from .triton_math import (conv_apply, conv_inputs, delta_rule_update, gated_rmsnorm_rows, kda_log_decay,
                           l2_normalize, shift_window, short_conv)
@@ -220,15 +221,15 @@ def _plan(batch: int, H: int, HV: int, V: int, K: int, pdl: bool):
 
 
 def _chain_decode_config(batch: int, HV: int, V: int, K: int, state_itemsize: int) -> tuple:
-    """The chain's packed-decode launch config (as ``packed_decode._launch_config``), pinned
-    from fused_decode_chain_sweep_h200.json, where it starts before the conv ends and its
-    first state tile loads before it waits: one 4 KB tile per program (N = 1 5.56 us against
-    5.71 for half tiles; N = 128 151.0 against 154.2 for two tiles per program), two 2 KB
-    tiles per program from 33 to 1024 (request, head) pairs (N = 8 13.8 against 14.7 us)."""
-    rows = max(1, min(triton.next_power_of_2(V), 4096 // (triton.next_power_of_2(K) * state_itemsize)))
-    if 32 < batch * HV <= 1024 and V >= rows:
-        return max(1, rows // 2), 2, 1, 1, ""
-    return rows, 1, 1, 1, ""
+    """The chain's packed-decode launch config: packed decode's own, except that from 33 to
+    1024 (request, head) pairs a one-tile program streams two half tiles instead
+    (fused_decode_chain_sweep_h200.json, where the decode starts before the conv ends and
+    its first state tile loads before it waits: N = 8 13.8 against 14.7 us, N = 32 41.3
+    against 41.5; one 4 KB tile was best at N = 1, 128 and 512)."""
+    block_v, tiles, *rest = packed_launch_config(batch, HV, V, K, state_itemsize)
+    if 32 < batch * HV <= 1024 and tiles == 1 and block_v > 1:
+        return block_v // 2, 2, *rest
+    return block_v, tiles, *rest
 
 
 def _unfused_chain(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, state, slot_indices, out, *, conv_bias,

@@ -91,14 +91,18 @@ def _launch_config(batch: int, HV: int, V: int, K: int, state_itemsize: int) -> 
     """(BLOCK_V, V_TILES, num_warps, num_stages, EVICT), pinned ahead of time from the
     H200 sweeps in benchmarks/results (no autotuning in a serving call).
 
-    One warp streams a 4 KB tile of state rows, two tiles per program sharing the
-    q/k/gate prologue; a tiny batch splits finer so that enough warps are in flight.
-    No cache hint: evict_first measured 1-2% slower.
+    One warp streams 4 KB tiles of state rows. A float32 pool: one tile per program at every
+    batch (packed_decode_static_prefetch_sweep_h200.json: N = 8 / 128 / 512 10.5 / 138.7 /
+    536.2 us against 11.1 / 140.4 / 546.9 for two tiles). A bfloat16 pool: two tiles per
+    program sharing the q/k/gate prologue, half tiles at a tiny batch. No cache hint:
+    evict_first measured 1-2% slower.
     """
     rows = max(1, min(triton.next_power_of_2(V), 4096 // (triton.next_power_of_2(K) * state_itemsize)))
+    if state_itemsize >= 4:
+        return rows, 1, 1, 1, ""
     if batch * HV <= 32:
         return max(1, rows // 2), 1, 1, 1, ""
-    return rows, 2 if V >= 2 * rows else 1, 1, 2, ""
+    return rows, 2 if V >= 2 * rows else 1, 1, 1, ""
 
 
 @register("packed_decode", "triton")
