@@ -115,7 +115,14 @@ def pdl_available(device: torch.device) -> bool:
     if device.type != "cuda":
         target = compile_only_target()
         return target is not None and target.arch >= 90
-    return torch.cuda.get_device_capability(device)[0] >= 9
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    major = _CAPABILITY_MAJOR.get(index)
+    if major is None:
+        major = _CAPABILITY_MAJOR[index] = torch.cuda.get_device_capability(index)[0]
+    return major >= 9
+
+
+_CAPABILITY_MAJOR: dict = {}  # CUDA device index -> compute capability major (host time per call)
 
 
 _COUNTERS: dict = {}  # (device, stream) -> int32 arrival counters, zero between launches
