@@ -166,6 +166,21 @@ def test_per_token_slots(backend, with_accepted):
              seed=6)
 
 
+@pytest.mark.parametrize("seqlens", [(1, 1, 1, 1), (2, 0, 1, 1), (0, 2, 0, 2)],
+                         ids=["one-each", "two-zero-one-one", "zero-two-zero-two"])
+def test_as_many_tokens_as_sequences(seqlens):
+    """Decode through a varlen call (as many tokens as sequences), with and without one token
+    in each sequence."""
+    run_case("triton", 1, 2, 16, 24, seqlens=seqlens, slots=7, slot_list=[4, 0, -1, 6], seed=12)
+
+
+def test_as_many_tokens_as_sequences_per_token_slots():
+    per_token = torch.tensor([[2, -1], [3, 5], [-1, -1]], dtype=torch.int32)
+    run_case("triton", 1, 2, 16, 24, seqlens=(1, 2, 0), slots=7, per_token=per_token,
+             num_accepted=torch.tensor([1, 2, 1], dtype=torch.int32), seed=13)
+    run_case("triton", 1, 2, 16, 24, seqlens=(1, 1), slots=7, per_token=per_token[:2, :1], seed=14)
+
+
 # ----------------------------------------------------------------------------
 # Against fla-core's naive recurrence (independent of kdakit.reference)
 # ----------------------------------------------------------------------------
