@@ -12,11 +12,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
 from .. import contracts, reference
 from ..backends import register, select
-from triton.language.extra.cuda import gdc_launch_dependents
-
 from .launch import CachedKernel
 from .triton_math import short_conv_update
 

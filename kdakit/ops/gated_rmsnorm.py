@@ -9,11 +9,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from .. import contracts, reference
 from ..backends import register, select
-from triton.language.extra.cuda import gdc_wait
-
 from .launch import CachedKernel
 from .triton_math import gated_rmsnorm_rows
 

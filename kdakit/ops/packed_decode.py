@@ -10,11 +10,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .. import contracts, reference
 from ..backends import forced_backend, register, select
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-
 from .launch import CachedKernel
 from .triton_math import delta_rule_update, kda_log_decay, l2_normalize
 
