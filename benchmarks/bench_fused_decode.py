@@ -340,7 +340,7 @@ def check_configs(results):
         torch.cuda.empty_cache()
 
 
-def timings(results, quick: bool, sweep: bool = False):
+def timings(results, quick: bool, sweep: str | None = None):
     ceiling = results["copy_ceiling_GBps"]
     batches = [1, 8, 32, 128, 512] if not quick else [1, 32, 128]
     H = HV = 32

@@ -18,7 +18,7 @@ import triton.language as tl
 from .. import contracts, reference
 from ..backends import register, select
 from .conv1d_update import causal_conv1d_update_triton
-from .gated_rmsnorm import gated_rmsnorm_triton
+from .gated_rmsnorm import gated_rmsnorm_after
 from .launch import CachedKernel, arrival_counters, pdl_available
 from .packed_decode import _launch_config as packed_launch_config
 from .packed_decode import packed_decode_triton
@@ -251,9 +251,8 @@ def _unfused_chain(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, state, sl
                          config=decode_config or _chain_decode_config(B, HV, V, K, state.element_size()),
                          launch_dependents=pdl and has_norm)
     if has_norm:
-        gate = norm_gate.unflatten(-1, (HV, V)).unsqueeze(1)
-        groups = contracts.check_gated_rmsnorm(o, gate, norm_weight, out, eps=norm_eps, full_checks=False)
-        gated_rmsnorm_triton(o, gate, norm_weight, out, eps=norm_eps, groups=groups, wait_for_x=pdl)
+        gated_rmsnorm_after(o, norm_gate.unflatten(-1, (HV, V)).unsqueeze(1), norm_weight, out, eps=norm_eps,
+                            wait_for_x=pdl)
     return out
 
 

@@ -67,6 +67,13 @@ def gated_rmsnorm_triton(x, gate, weight, out, *, eps, groups, wait_for_x=False)
     return out
 
 
+def gated_rmsnorm_after(x, gate, weight, out, *, eps, wait_for_x):
+    """The Triton norm of ``x``, an intermediate another kdakit kernel has just written
+    (``wait_for_x``: launched as its programmatic dependent); shapes already valid."""
+    groups = contracts.check_gated_rmsnorm(x, gate, weight, out, eps=eps, full_checks=False)
+    return gated_rmsnorm_triton(x, gate, weight, out, eps=eps, groups=groups, wait_for_x=wait_for_x)
+
+
 @register("gated_rmsnorm", "reference")
 def gated_rmsnorm_reference(x, gate, weight, out, *, eps, groups):
     return reference.gated_rmsnorm_op(x, gate, weight, out, eps=eps)

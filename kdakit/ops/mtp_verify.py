@@ -17,7 +17,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .. import contracts, reference
 from ..backends import register, select
-from .gated_rmsnorm import gated_rmsnorm_triton
+from .gated_rmsnorm import gated_rmsnorm_after
 from .launch import CachedKernel, pdl_available
 from .triton_math import delta_rule_update, kda_log_decay, l2_normalize
 from .verify_conv import verify_conv
@@ -164,8 +164,7 @@ def mtp_verify_triton(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratc
              SAFE_GATE=lower_bound is not None, WAIT_FOR_TOKENS=conv and pdl, LAUNCH_DEPENDENTS=norm and pdl),
         num_warps=num_warps, num_stages=1, launch_pdl=conv and pdl)
     if norm:  # padding rows stay zero: their raw output is zero, and so is its norm
-        groups = contracts.check_gated_rmsnorm(raw_out, norm_gate, norm_weight, out, eps=norm_eps, full_checks=False)
-        gated_rmsnorm_triton(raw_out, norm_gate, norm_weight, out, eps=norm_eps, groups=groups, wait_for_x=pdl)
+        gated_rmsnorm_after(raw_out, norm_gate, norm_weight, out, eps=norm_eps, wait_for_x=pdl)
     return out
 
 
