@@ -84,6 +84,10 @@ CASES = [  # (mode, conv, norm, lower_bound, act, K, V, T)
     pytest.param("ring", False, False, -1.0, torch.float32, 16, 16, 6, id="ring-noconv-f32-6-steps"),
     pytest.param("ring", True, False, None, torch.float32, 16, 40, 8, id="ring-conv-defaultgate-f32-V40-8-steps"),
     pytest.param("snapshot", True, False, None, torch.float32, 24, 16, 8, id="snapshot-conv-f32-8-steps"),
+    # ring mode's chunk form past 8 steps (16-step tiles), K not a power of two or a multiple
+    # of the state kernel's K chunk; and a single step
+    pytest.param("ring", False, False, -5.0, torch.float32, 48, 24, 11, id="ring-noconv-f32-K48-V24-11-steps"),
+    pytest.param("ring", True, False, None, torch.bfloat16, 16, 16, 1, id="ring-conv-bf16-1-step"),
 ]
 
 
@@ -187,7 +191,9 @@ def test_speculative_loop_equals_plain_decode_and_ring_equals_snapshot_bitwise(l
                 kdakit.commit_snapshots(state, None, slots, p["scratch_indices"], accept - 1,
                                         conv_states=conv_states, intermediate_conv=bufs["intermediate_conv"],
                                         backend="triton")
-        assert torch.equal(outs["snapshot"], outs["ring"]), "both modes run the same recurrence"
+        # ring mode's outputs come from the chunk form: the same numbers up to float32 rounding
+        # (then bf16), not bit for bit
+        assert_close(outs["ring"], outs["snapshot"], 1e-2, "ring vs snapshot verify outputs")
         assert torch.equal(pools["snapshot"][0], pools["ring"][0]), "ring commit must equal snapshot commit bitwise"
         # Plain decoding of each request's accepted tokens (requests differ in length: one at a time).
         for n in range(d["N"]):
@@ -209,8 +215,8 @@ def test_speculative_loop_equals_plain_decode_and_ring_equals_snapshot_bitwise(l
 @pytest.mark.parametrize("tile_bytes", [4096, 256], ids=["one-tile", "4-row-tiles"])
 @pytest.mark.parametrize("T", [1, 2, 5], ids=lambda t: f"T{t}")
 def test_snapshot_and_ring_verify_agree_and_ring_commit_is_bitwise(T, tile_bytes, monkeypatch):
-    """Snapshot and ring verify (conv prologue kernel, then the recurrence) compute the same
-    outputs and windows; a ring commit of any prefix equals the snapshot commit bitwise,
+    """Snapshot and ring verify (conv prologue kernel, then the recurrence or the chunk form)
+    compute the same outputs and windows; a ring commit of any prefix equals the snapshot commit bitwise,
     whatever tile of state rows the recurrence kernels share."""
     from kdakit.ops import mtp_verify as mtp_verify_module
     from kdakit.ops.mtp_verify import mtp_verify_triton
@@ -237,7 +243,7 @@ def test_snapshot_and_ring_verify_agree_and_ring_commit_is_bitwise(T, tile_bytes
         assert torch.equal(got[live_rows], want[live_rows]), "windows after each step"
         assert torch.equal(got[p["scratch_indices"][1].long()], want[p["scratch_indices"][1].long()]), \
             "the padding request's scratch row stays untouched"
-    assert torch.equal(results["snapshot"][0], results["ring"][0]), "same steps, same numbers"
+    assert_close(results["ring"][0], results["snapshot"][0], 1e-2, "ring (chunk form) vs snapshot outputs")
     for got, want in zip(results["snapshot"][1]["intermediate_conv"], results["ring"][1]["intermediate_conv"]):
         assert torch.equal(got, want)
     live = p["slot_indices"] >= 0

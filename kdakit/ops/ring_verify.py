@@ -1,0 +1,196 @@
+"""Ring-mode verify in the chunk (WY) form: every step's output from one read of the state.
+
+A ring verify keeps no state after any step (the commit replays the accepted prefix from
+the rings), so it need not carry the state through the steps. With ``G_t`` the running sum
+of the log-decays, ``q̂, k̂`` normalised, ``S_0`` the slot's state, and
+
+    A[t, s] = Σ_k k̂_t k̂_s e^(G_t - G_s)  (s < t),     B[t, s] = Σ_k q̂_t k̂_s e^(G_t - G_s)  (s <= t),
+    M = B (I + diag(β) A)^-1 diag(β),
+
+SPEC.md's steps 4-6, unrolled over the request's tokens, give
+
+    o_t = S_0 x_t + w_t,   x_t = q̂_t e^G_t - Σ_s M[t, s] k̂_s e^G_s,   w_t = Σ_s M[t, s] v_s.
+
+Two kernels: ``_ring_verify_steps`` (one small program per request and value head: the
+pair sums, the triangular solve, ``x`` and ``w``, and the ring entries), then
+``_ring_verify_state`` (the state streamed through shared memory into one matrix product
+with ``x``), a dependent launch of the first. Each ``e^(G_t - G_s)`` is taken pair by pair
+(``e^G_t · e^-G_s`` overflows for fast-decaying channels).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from .launch import CachedKernel
+from .triton_math import kda_log_decay
+
+
+@triton.jit
+def _ring_verify_steps_kernel(
+    q, k, v, a, b, A_log, dt_bias, slot_indices, x_rows, w_rows,
+    ring_k, ring_v, ring_g, ring_beta,
+    s_rk_slot, s_rv_slot, s_rg_slot, s_rb_slot, ring_len,
+    scale, lower_bound,
+    T: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, SAFE_GATE: tl.constexpr,
+    WAIT_FOR_TOKENS: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
+):
+    # One program per (request, value head). The k ring has one writer per key head: the
+    # group's first value head.
+    i_hv, i_n = tl.program_id(0), tl.program_id(1)
+    if LAUNCH_DEPENDENTS:  # the state kernel may start now
+        gdc_launch_dependents()
+    G: tl.constexpr = HV // H
+    i_h = i_hv // G
+    offs_t = tl.arange(0, BLOCK_T)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_v = tl.arange(0, BLOCK_V)
+    mask_t = offs_t < T
+    mask_tk = mask_t[:, None] & (offs_k < K)[None, :]
+    mask_tv = mask_t[:, None] & (offs_v < V)[None, :]
+    slot = tl.load(slot_indices + i_n).to(tl.int64)
+    live = slot >= 0
+    bias = tl.load(dt_bias + i_hv * K + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+    A_log_h = tl.load(A_log + i_hv).to(tl.float32)
+    if WAIT_FOR_TOKENS:  # q, k, v come from the conv prologue launched just before
+        gdc_wait()
+
+    tok = i_n.to(tl.int64) * T + offs_t
+    qk_rows = ((tok * H + i_h) * K)[:, None] + offs_k[None, :]
+    q_raw = tl.load(q + qk_rows, mask=mask_tk, other=0.0).to(tl.float32)
+    k_in = tl.load(k + qk_rows, mask=mask_tk, other=0.0)
+    v_in = tl.load(v + ((tok * HV + i_hv) * V)[:, None] + offs_v[None, :], mask=mask_tv, other=0.0)
+    a_t = tl.load(a + ((tok * HV + i_hv) * K)[:, None] + offs_k[None, :], mask=mask_tk, other=0.0).to(tl.float32)
+    g = tl.where(mask_tk, kda_log_decay(a_t, bias[None, :], A_log_h, lower_bound, SAFE_GATE), 0.0)
+    beta = tl.sigmoid(tl.load(b + tok * HV + i_hv, mask=mask_t, other=0.0).to(tl.float32))
+
+    # The commit's replay reads these (k before its L2 norm).
+    ring_rows_k = (offs_t * K)[:, None] + offs_k[None, :]
+    tl.store(ring_k + slot * s_rk_slot + i_h * ring_len * K + ring_rows_k, k_in.to(ring_k.dtype.element_ty),
+             mask=mask_tk & live & (i_hv % G == 0))
+    tl.store(ring_v + slot * s_rv_slot + i_hv * ring_len * V + (offs_t * V)[:, None] + offs_v[None, :],
+             v_in.to(ring_v.dtype.element_ty), mask=mask_tv & live)
+    tl.store(ring_g + slot * s_rg_slot + i_hv * ring_len * K + ring_rows_k, g.to(ring_g.dtype.element_ty),
+             mask=mask_tk & live)
+    tl.store(ring_beta + slot * s_rb_slot + i_hv * ring_len + offs_t, beta.to(ring_beta.dtype.element_ty),
+             mask=mask_t & live)
+
+    k_raw = k_in.to(tl.float32)
+    q_hat = q_raw * (scale / tl.sqrt(tl.sum(q_raw * q_raw, axis=1) + 1e-6))[:, None]
+    k_hat = k_raw / tl.sqrt(tl.sum(k_raw * k_raw, axis=1) + 1e-6)[:, None]
+    G_cum = tl.cumsum(g, axis=0)
+    # The pair sums one column s at a time, on [T, K] tiles (no [T, T, K] products): row s
+    # of a tile is picked out exactly (one value plus zeros), within each thread's registers
+    # as the program is one warp. exp(G_t - G_s) is taken pair by pair, zero where t < s.
+    A = tl.zeros((BLOCK_T, BLOCK_T), dtype=tl.float32)
+    B = tl.zeros((BLOCK_T, BLOCK_T), dtype=tl.float32)
+    for s in tl.static_range(T):
+        row_s = offs_t[:, None] == s
+        k_s = tl.sum(tl.where(row_s, k_hat, 0.0), axis=0)
+        G_s = tl.sum(tl.where(row_s, G_cum, 0.0), axis=0)
+        k_decayed = k_s[None, :] * tl.exp(tl.where(offs_t[:, None] >= s, G_cum - G_s[None, :], float("-inf")))
+        A = tl.where(offs_t[None, :] == s, tl.sum(k_hat * k_decayed, axis=1)[:, None], A)
+        B = tl.where(offs_t[None, :] == s, tl.sum(q_hat * k_decayed, axis=1)[:, None], B)
+    A = tl.where(offs_t[:, None] > offs_t[None, :], A, 0.0)
+
+    # (I + diag(β) A)^-1 by forward substitution: row t needs only rows s < t.
+    beta_A = beta[:, None] * A
+    solve = tl.zeros((BLOCK_T, BLOCK_T), dtype=tl.float32)
+    for t in tl.static_range(T):
+        row = tl.sum(tl.where(offs_t[:, None] == t, beta_A, 0.0), axis=0)
+        new = tl.where(offs_t == t, 1.0, 0.0) - tl.sum(row[:, None] * solve, axis=0)
+        solve = tl.where(offs_t[:, None] == t, new[None, :], solve)
+    M = tl.sum(B[:, :, None] * solve[None, :, :], axis=1) * beta[None, :]
+
+    e_G = tl.exp(G_cum)
+    k_gated = k_hat * e_G
+    v_f = v_in.to(tl.float32)
+    x = q_hat * e_G
+    w = tl.zeros((BLOCK_T, BLOCK_V), dtype=tl.float32)
+    for s in tl.static_range(T):
+        m_s = tl.sum(tl.where(offs_t[None, :] == s, M, 0.0), axis=1)
+        x -= m_s[:, None] * tl.sum(tl.where(offs_t[:, None] == s, k_gated, 0.0), axis=0)[None, :]
+        w += m_s[:, None] * tl.sum(tl.where(offs_t[:, None] == s, v_f, 0.0), axis=0)[None, :]
+    head = i_n.to(tl.int64) * HV + i_hv
+    tl.store(x_rows + (head * T + offs_t)[:, None] * K + offs_k[None, :], x, mask=mask_tk)
+    tl.store(w_rows + (head * T + offs_t)[:, None] * V + offs_v[None, :], w, mask=mask_tv)
+
+
+@triton.jit
+def _ring_verify_state_kernel(
+    state, slot_indices, x_rows, w_rows, out, stride_state_slot,
+    T: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    DOT_T: tl.constexpr, BLOCK_V: tl.constexpr, K_CHUNK: tl.constexpr, NUM_STAGES: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, WAIT_FOR_STEPS: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
+):
+    # One program: BLOCK_V state rows of one (request, value head); out = S_0 x^T + w^T.
+    # DOT_T >= 16 steps (a dot's smallest side); the rows past T are zero.
+    i_v, i_hv, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if LAUNCH_DEPENDENTS:  # the output norm may start loading its gate now
+        gdc_launch_dependents()
+    offs_t = tl.arange(0, DOT_T)
+    offs_v = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask_t, mask_v = offs_t < T, offs_v < V
+    slot = tl.load(slot_indices + i_n).to(tl.int64)
+    live = slot >= 0  # padding rows: zero output, nothing of the pool read
+    head = i_n.to(tl.int64) * HV + i_hv
+    state_rows = state + slot * stride_state_slot + i_hv * V * K + offs_v[:, None] * K
+    x_head = x_rows + (head * T + offs_t)[:, None] * K
+    if WAIT_FOR_STEPS:  # x and w come from the steps kernel
+        gdc_wait()
+    acc = tl.zeros((BLOCK_V, DOT_T), dtype=tl.float32)
+    for k0 in tl.range(0, K, K_CHUNK, num_stages=NUM_STAGES):
+        offs_c = k0 + tl.arange(0, K_CHUNK)
+        mask_c = offs_c < K
+        S0 = tl.load(state_rows + offs_c[None, :], mask=live & mask_v[:, None] & mask_c[None, :], other=0.0)
+        x = tl.load(x_head + offs_c[None, :], mask=live & mask_t[:, None] & mask_c[None, :], other=0.0)
+        acc = tl.dot(S0.to(tl.float32), tl.trans(x), acc, input_precision=DOT_PRECISION)
+    wT = tl.load(w_rows + (head * T + offs_t)[None, :] * V + offs_v[:, None], mask=live & mask_v[:, None] & mask_t[None, :],
+                 other=0.0)
+    o = acc + wT
+    tl.store(out + ((i_n.to(tl.int64) * T + offs_t) * HV + i_hv)[None, :] * V + offs_v[:, None],
+             o.to(out.dtype.element_ty), mask=mask_v[:, None] & mask_t[None, :])
+
+
+_ring_verify_steps = CachedKernel(_ring_verify_steps_kernel)
+_ring_verify_state = CachedKernel(_ring_verify_state_kernel)
+
+# The state kernel's (BLOCK_V, num_warps), K chunk, pipeline depth and dot precision
+# (tf32x3: three tf32 products, float32-level accuracy); a benchmark sweep may set them.
+STATE_TILE = (64, 4)
+K_CHUNK = 32
+NUM_STAGES = 4
+DOT_PRECISION = "tf32x3"
+
+
+def ring_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, out, rings, *, scale, lower_bound,
+                wait_for_tokens: bool, launch_dependents: bool, pdl: bool):
+    """Outputs and ring entries of a ring-mode verify (post-conv q, k, v; inputs checked by the caller).
+    ``wait_for_tokens``: q, k, v come from a kernel launched just before (dependent launch)."""
+    N, T, H, K = q.shape
+    HV, V = v.shape[-2:]
+    ring_k, ring_v, ring_g, ring_beta = rings
+    x_rows = torch.empty(N, HV, T, K, dtype=torch.float32, device=q.device)
+    w_rows = torch.empty(N, HV, T, V, dtype=torch.float32, device=q.device)
+    _ring_verify_steps(
+        (HV, N),
+        (q, k, v, a, b, A_log, dt_bias, slot_indices, x_rows, w_rows, ring_k, ring_v, ring_g, ring_beta,
+         ring_k.stride(0), ring_v.stride(0), ring_g.stride(0), ring_beta.stride(0), ring_k.shape[2],
+         float(scale), float(lower_bound) if lower_bound is not None else 0.0),
+        dict(T=T, H=H, HV=HV, K=K, V=V, BLOCK_T=triton.next_power_of_2(T), BLOCK_K=triton.next_power_of_2(K),
+             BLOCK_V=triton.next_power_of_2(V), SAFE_GATE=lower_bound is not None,
+             WAIT_FOR_TOKENS=wait_for_tokens and pdl, LAUNCH_DEPENDENTS=pdl),
+        num_warps=1, num_stages=1, launch_pdl=wait_for_tokens and pdl)
+    block_v, num_warps = STATE_TILE
+    block_v = max(16, min(block_v, triton.next_power_of_2(V)))
+    _ring_verify_state(
+        (triton.cdiv(V, block_v), HV, N),
+        (state, slot_indices, x_rows, w_rows, out, state.stride(0)),
+        dict(T=T, HV=HV, K=K, V=V, DOT_T=max(16, triton.next_power_of_2(T)), BLOCK_V=block_v,
+             K_CHUNK=max(16, min(K_CHUNK, triton.next_power_of_2(K))), NUM_STAGES=NUM_STAGES,
+             DOT_PRECISION=DOT_PRECISION, WAIT_FOR_STEPS=pdl, LAUNCH_DEPENDENTS=launch_dependents and pdl),
+        num_warps=num_warps if block_v >= 64 else 4, num_stages=1, launch_pdl=pdl)
+    return out
