@@ -9,12 +9,12 @@ of the log-decays, ``q̂, k̂`` normalised, ``S_0`` the slot's state, and
 
 SPEC.md's steps 4-6, unrolled over the request's tokens, give
 
-    o_t = S_0 x_t + w_t,   x_t = q̂_t e^G_t - Σ_s M[t, s] k̂_s e^G_s,   w_t = Σ_s M[t, s] v_s.
+    o_t = S_0 x_t + Σ_s M[t, s] v_s,   x_t = q̂_t e^G_t - Σ_s M[t, s] k̂_s e^G_s.
 
 Two kernels: ``_ring_verify_steps`` (one small program per request and value head: the
-pair sums, the triangular solve, ``x`` and ``w``, and the ring entries), then
+pair sums, the triangular solve, ``x``, ``M`` and the k, g, β ring entries), then
 ``_ring_verify_state`` (the state streamed through shared memory into one matrix product
-with ``x``), a dependent launch of the first. Each ``e^(G_t - G_s)`` is taken pair by pair
+with ``x``, plus ``v^T M^T``; the v ring entries), a dependent launch of the first. Each ``e^(G_t - G_s)`` is taken pair by pair
 (``e^G_t · e^-G_s`` overflows for fast-decaying channels).
 """
 from __future__ import annotations
@@ -30,16 +30,15 @@ from .triton_math import kda_log_decay
 
 @triton.jit
 def _ring_verify_steps_kernel(
-    q, k, v, a, b, A_log, dt_bias, slot_indices, x_rows, w_rows,
-    ring_k, ring_v, ring_g, ring_beta,
-    s_rk_slot, s_rv_slot, s_rg_slot, s_rb_slot, ring_len,
+    q, k, a, b, A_log, dt_bias, slot_indices, x_rows, m_rows,
+    ring_k, ring_g, ring_beta, s_rk_slot, s_rg_slot, s_rb_slot, ring_len,
     scale, lower_bound,
-    T: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, SAFE_GATE: tl.constexpr,
+    T: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, SAFE_GATE: tl.constexpr,
     WAIT_FOR_TOKENS: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
 ):
-    # One program per (request, value head). The k ring has one writer per key head: the
-    # group's first value head.
+    # One program per (request, value head): x and M (v enters in the state kernel). The k
+    # ring has one writer per key head: the group's first value head.
     i_hv, i_n = tl.program_id(0), tl.program_id(1)
     if LAUNCH_DEPENDENTS:  # the state kernel may start now
         gdc_launch_dependents()
@@ -47,10 +46,8 @@ def _ring_verify_steps_kernel(
     i_h = i_hv // G
     offs_t = tl.arange(0, BLOCK_T)
     offs_k = tl.arange(0, BLOCK_K)
-    offs_v = tl.arange(0, BLOCK_V)
     mask_t = offs_t < T
     mask_tk = mask_t[:, None] & (offs_k < K)[None, :]
-    mask_tv = mask_t[:, None] & (offs_v < V)[None, :]
     slot = tl.load(slot_indices + i_n).to(tl.int64)
     live = slot >= 0
     bias = tl.load(dt_bias + i_hv * K + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
@@ -62,7 +59,6 @@ def _ring_verify_steps_kernel(
     qk_rows = ((tok * H + i_h) * K)[:, None] + offs_k[None, :]
     q_raw = tl.load(q + qk_rows, mask=mask_tk, other=0.0).to(tl.float32)
     k_in = tl.load(k + qk_rows, mask=mask_tk, other=0.0)
-    v_in = tl.load(v + ((tok * HV + i_hv) * V)[:, None] + offs_v[None, :], mask=mask_tv, other=0.0)
     a_t = tl.load(a + ((tok * HV + i_hv) * K)[:, None] + offs_k[None, :], mask=mask_tk, other=0.0).to(tl.float32)
     g = tl.where(mask_tk, kda_log_decay(a_t, bias[None, :], A_log_h, lower_bound, SAFE_GATE), 0.0)
     beta = tl.sigmoid(tl.load(b + tok * HV + i_hv, mask=mask_t, other=0.0).to(tl.float32))
@@ -71,8 +67,6 @@ def _ring_verify_steps_kernel(
     ring_rows_k = (offs_t * K)[:, None] + offs_k[None, :]
     tl.store(ring_k + slot * s_rk_slot + i_h * ring_len * K + ring_rows_k, k_in.to(ring_k.dtype.element_ty),
              mask=mask_tk & live & (i_hv % G == 0))
-    tl.store(ring_v + slot * s_rv_slot + i_hv * ring_len * V + (offs_t * V)[:, None] + offs_v[None, :],
-             v_in.to(ring_v.dtype.element_ty), mask=mask_tv & live)
     tl.store(ring_g + slot * s_rg_slot + i_hv * ring_len * K + ring_rows_k, g.to(ring_g.dtype.element_ty),
              mask=mask_tk & live)
     tl.store(ring_beta + slot * s_rb_slot + i_hv * ring_len + offs_t, beta.to(ring_beta.dtype.element_ty),
@@ -107,27 +101,25 @@ def _ring_verify_steps_kernel(
 
     e_G = tl.exp(G_cum)
     k_gated = k_hat * e_G
-    v_f = v_in.to(tl.float32)
     x = q_hat * e_G
-    w = tl.zeros((BLOCK_T, BLOCK_V), dtype=tl.float32)
     for s in tl.static_range(T):
         m_s = tl.sum(tl.where(offs_t[None, :] == s, M, 0.0), axis=1)
         x -= m_s[:, None] * tl.sum(tl.where(offs_t[:, None] == s, k_gated, 0.0), axis=0)[None, :]
-        w += m_s[:, None] * tl.sum(tl.where(offs_t[:, None] == s, v_f, 0.0), axis=0)[None, :]
-    head = i_n.to(tl.int64) * HV + i_hv
-    tl.store(x_rows + (head * T + offs_t)[:, None] * K + offs_k[None, :], x, mask=mask_tk)
-    tl.store(w_rows + (head * T + offs_t)[:, None] * V + offs_v[None, :], w, mask=mask_tv)
+    head_rows = (i_n.to(tl.int64) * HV + i_hv) * T + offs_t
+    tl.store(x_rows + head_rows[:, None] * K + offs_k[None, :], x, mask=mask_tk)
+    tl.store(m_rows + head_rows[:, None] * T + offs_t[None, :], M, mask=mask_t[:, None] & mask_t[None, :])
 
 
 @triton.jit
 def _ring_verify_state_kernel(
-    state, slot_indices, x_rows, w_rows, out, stride_state_slot,
+    state, v, slot_indices, x_rows, m_rows, out, ring_v, stride_state_slot, s_rv_slot, ring_len,
     T: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     DOT_T: tl.constexpr, BLOCK_V: tl.constexpr, K_CHUNK: tl.constexpr, NUM_STAGES: tl.constexpr,
     DOT_PRECISION: tl.constexpr, WAIT_FOR_STEPS: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
 ):
-    # One program: BLOCK_V state rows of one (request, value head); out = S_0 x^T + w^T.
-    # DOT_T >= 16 steps (a dot's smallest side); the rows past T are zero.
+    # One program: BLOCK_V state rows of one (request, value head); out = S_0 x^T + v^T M^T,
+    # and these rows of the v ring. DOT_T >= 16 steps (a dot's smallest side); the steps
+    # past T are zero.
     i_v, i_hv, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if LAUNCH_DEPENDENTS:  # the output norm may start loading its gate now
         gdc_launch_dependents()
@@ -139,8 +131,15 @@ def _ring_verify_state_kernel(
     head = i_n.to(tl.int64) * HV + i_hv
     state_rows = state + slot * stride_state_slot + i_hv * V * K + offs_v[:, None] * K
     x_head = x_rows + (head * T + offs_t)[:, None] * K
-    if WAIT_FOR_STEPS:  # x and w come from the steps kernel
+    if WAIT_FOR_STEPS:  # x and M come from the steps kernel (and v from the conv before it)
         gdc_wait()
+    mask_vt = mask_v[:, None] & mask_t[None, :]
+    tok = i_n.to(tl.int64) * T + offs_t
+    vT = tl.load(v + (tok * HV + i_hv)[None, :] * V + offs_v[:, None], mask=mask_vt, other=0.0)
+    tl.store(ring_v + slot * s_rv_slot + i_hv * ring_len * V + offs_t[None, :] * V + offs_v[:, None],
+             vT.to(ring_v.dtype.element_ty), mask=mask_vt & live)
+    M = tl.load(m_rows + (head * T + offs_t)[:, None] * T + offs_t[None, :],
+                mask=live & mask_t[:, None] & mask_t[None, :], other=0.0)
     acc = tl.zeros((BLOCK_V, DOT_T), dtype=tl.float32)
     for k0 in tl.range(0, K, K_CHUNK, num_stages=NUM_STAGES):
         offs_c = k0 + tl.arange(0, K_CHUNK)
@@ -148,11 +147,8 @@ def _ring_verify_state_kernel(
         S0 = tl.load(state_rows + offs_c[None, :], mask=live & mask_v[:, None] & mask_c[None, :], other=0.0)
         x = tl.load(x_head + offs_c[None, :], mask=live & mask_t[:, None] & mask_c[None, :], other=0.0)
         acc = tl.dot(S0.to(tl.float32), tl.trans(x), acc, input_precision=DOT_PRECISION)
-    wT = tl.load(w_rows + (head * T + offs_t)[None, :] * V + offs_v[:, None], mask=live & mask_v[:, None] & mask_t[None, :],
-                 other=0.0)
-    o = acc + wT
-    tl.store(out + ((i_n.to(tl.int64) * T + offs_t) * HV + i_hv)[None, :] * V + offs_v[:, None],
-             o.to(out.dtype.element_ty), mask=mask_v[:, None] & mask_t[None, :])
+    o = tl.dot(vT.to(tl.float32), tl.trans(M), acc, input_precision=DOT_PRECISION)
+    tl.store(out + (tok * HV + i_hv)[None, :] * V + offs_v[:, None], o.to(out.dtype.element_ty), mask=mask_vt)
 
 
 _ring_verify_steps = CachedKernel(_ring_verify_steps_kernel)
@@ -164,6 +160,16 @@ STATE_TILE = (64, 4)
 K_CHUNK = 32
 NUM_STAGES = 4
 DOT_PRECISION = "tf32x3"
+STEPS_WARPS = None  # None: steps_warps' choice
+
+
+def steps_warps(T: int) -> int:
+    """One warp keeps every row pick of the steps kernel within a thread's registers: at 8
+    steps one warp beat two and four by 2x and 4x (results/mtp_ring_v_in_state_kernel_sweep_h200.json).
+    Past 8 steps ([16, K] tiles) one warp would spill."""
+    if STEPS_WARPS is not None:
+        return STEPS_WARPS
+    return 1 if T <= 8 else 2
 
 
 def ring_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, out, rings, *, scale, lower_bound,
@@ -174,21 +180,21 @@ def ring_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, out, rings, 
     HV, V = v.shape[-2:]
     ring_k, ring_v, ring_g, ring_beta = rings
     x_rows = torch.empty(N, HV, T, K, dtype=torch.float32, device=q.device)
-    w_rows = torch.empty(N, HV, T, V, dtype=torch.float32, device=q.device)
+    m_rows = torch.empty(N, HV, T, T, dtype=torch.float32, device=q.device)
     _ring_verify_steps(
         (HV, N),
-        (q, k, v, a, b, A_log, dt_bias, slot_indices, x_rows, w_rows, ring_k, ring_v, ring_g, ring_beta,
-         ring_k.stride(0), ring_v.stride(0), ring_g.stride(0), ring_beta.stride(0), ring_k.shape[2],
+        (q, k, a, b, A_log, dt_bias, slot_indices, x_rows, m_rows, ring_k, ring_g, ring_beta,
+         ring_k.stride(0), ring_g.stride(0), ring_beta.stride(0), ring_k.shape[2],
          float(scale), float(lower_bound) if lower_bound is not None else 0.0),
-        dict(T=T, H=H, HV=HV, K=K, V=V, BLOCK_T=triton.next_power_of_2(T), BLOCK_K=triton.next_power_of_2(K),
-             BLOCK_V=triton.next_power_of_2(V), SAFE_GATE=lower_bound is not None,
+        dict(T=T, H=H, HV=HV, K=K, BLOCK_T=triton.next_power_of_2(T), BLOCK_K=triton.next_power_of_2(K),
+             SAFE_GATE=lower_bound is not None,
              WAIT_FOR_TOKENS=wait_for_tokens and pdl, LAUNCH_DEPENDENTS=pdl),
-        num_warps=1, num_stages=1, launch_pdl=wait_for_tokens and pdl)
+        num_warps=steps_warps(T), num_stages=1, launch_pdl=wait_for_tokens and pdl)
     block_v, num_warps = STATE_TILE
     block_v = max(16, min(block_v, triton.next_power_of_2(V)))
     _ring_verify_state(
         (triton.cdiv(V, block_v), HV, N),
-        (state, slot_indices, x_rows, w_rows, out, state.stride(0)),
+        (state, v, slot_indices, x_rows, m_rows, out, ring_v, state.stride(0), ring_v.stride(0), ring_v.shape[2]),
         dict(T=T, HV=HV, K=K, V=V, DOT_T=max(16, triton.next_power_of_2(T)), BLOCK_V=block_v,
              K_CHUNK=max(16, min(K_CHUNK, triton.next_power_of_2(K))), NUM_STAGES=NUM_STAGES,
              DOT_PRECISION=DOT_PRECISION, WAIT_FOR_STEPS=pdl, LAUNCH_DEPENDENTS=launch_dependents and pdl),
