@@ -210,17 +210,20 @@ def timings(results, quick, commit_only=False, batches=None, tag="", skip_fla=Fa
 
 
 def ring_sweep(results, variants, batches):
-    """Ring verify (no conv, then with it) for each state-kernel variant
-    "<precision>:<block_v>x<warps>:<k_chunk>:<stages>[:<steps kernel warps>]" (kdakit/ops/ring_verify.py), each
+    """Ring verify (no conv, then with it) at every batch for each variant, forced whatever
+    the batch: "recurrent", "chunked" (kdakit/ops/ring_verify.py as configured), or the chunk
+    form's "<precision>:<block_v>x<warps>:<k_chunk>:<stages>[:<steps kernel warps>]"; each
     checked against float64 before it is timed."""
-    from kdakit.ops import ring_verify as ring_verify_module
+    from kdakit.ops import mtp_verify as mtp_verify_module, ring_verify as ring_verify_module
     ceiling = results["copy_ceiling_GBps"]
     for variant in variants:
-        precision, tile, k_chunk, stages, *steps_warps = variant.split(":")
-        ring_verify_module.STEPS_WARPS = int(steps_warps[0]) if steps_warps else None
-        ring_verify_module.DOT_PRECISION = precision
-        ring_verify_module.STATE_TILE = tuple(int(x) for x in tile.split("x"))
-        ring_verify_module.K_CHUNK, ring_verify_module.NUM_STAGES = int(k_chunk), int(stages)
+        mtp_verify_module.RING_CHUNK_FORM_ABOVE = 1 << 30 if variant == "recurrent" else 0
+        if variant not in ("recurrent", "chunked"):
+            precision, tile, k_chunk, stages, *steps_warps = variant.split(":")
+            ring_verify_module.STEPS_WARPS = int(steps_warps[0]) if steps_warps else None
+            ring_verify_module.DOT_PRECISION = precision
+            ring_verify_module.STATE_TILE = tuple(int(x) for x in tile.split("x"))
+            ring_verify_module.K_CHUNK, ring_verify_module.NUM_STAGES = int(k_chunk), int(stages)
         for N, T, conv, norm in ((1, 2, True, False), (8, 4, True, True), (64, 8, False, False), (33, 4, True, False)):
             L = make_layer(N, T, conv=conv, mode="ring", norm=norm, seed=N * 10 + T)
             verify_call(L)()
@@ -251,7 +254,8 @@ def main():
                         help="sweep: bytes of state rows per program of the verify and ring commit "
                              "(kdakit.ops.mtp_verify.RECURRENCE_TILE_BYTES); rows are tagged with it")
     parser.add_argument("--ring-sweep", type=lambda x: x.split(","), default=None,
-                        help="time only the ring verify, per variant <tf32x3|tf32|ieee>:<BVxwarps>:<k_chunk>:<stages>[:<steps warps>]")
+                        help="time only the ring verify, per variant: recurrent, chunked, or "
+                             "<tf32x3|tf32|ieee>:<BVxwarps>:<k_chunk>:<stages>[:<steps warps>]")
     parser.add_argument("--name", default="mtp_h200")
     args = parser.parse_args()
     results = harness.new_results()

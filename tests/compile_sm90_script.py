@@ -66,6 +66,13 @@ kdakit.mtp_verify(q, k, v, aT, bT, A_log, dt_bias, state, idx, scratch, conv_wei
 kdakit.mtp_verify(q, k, v, aT, bT, A_log, dt_bias, state, idx, scratch, rings=rings, backend="triton")
 kdakit.mtp_verify(q, k, v, aT, bT, A_log, dt_bias, state, idx, scratch, conv_weights=conv_weights,
                   conv_states=conv_states, intermediate_conv=inter, rings=rings, backend="triton")
+from kdakit.ops import mtp_verify as mtp_verify_module  # noqa: E402
+chunk_form_above, mtp_verify_module.RING_CHUNK_FORM_ABOVE = mtp_verify_module.RING_CHUNK_FORM_ABOVE, 0  # at any batch
+kdakit.mtp_verify(q, k, v, aT, bT, A_log, dt_bias, state, idx, scratch, rings=rings, backend="triton")
+kdakit.mtp_verify(q, k, v, aT, bT, A_log, dt_bias, state, idx, scratch, conv_weights=conv_weights,
+                  conv_states=conv_states, intermediate_conv=inter, rings=rings, norm_gate=rnd(N, T, HV, V),
+                  norm_weight=torch.rand(V), backend="triton")
+mtp_verify_module.RING_CHUNK_FORM_ABOVE = chunk_form_above
 accept = torch.tensor([2, 0], dtype=torch.int32)
 kdakit.commit_ring(state, *rings, idx, accept, track_slots=torch.tensor([3, -1], dtype=torch.int32),
                    track_steps=torch.tensor([0, 0], dtype=torch.int32), backend="triton")

@@ -11,6 +11,17 @@ from kdakit.compat import sglang
 from helpers import assert_close
 
 BACKENDS = ["reference", "triton"]
+RING_FORMS = ["chunked", "recurrent"]  # kdakit.ops.mtp_verify.ring_form: the batch size picks one
+
+
+@pytest.fixture
+def use_ring_form(monkeypatch):
+    """Force ring mode's form whatever the batch size (tests use tiny batches)."""
+    from kdakit.ops import mtp_verify as mtp_verify_module
+
+    def use(form):
+        monkeypatch.setattr(mtp_verify_module, "RING_CHUNK_FORM_ABOVE", 0 if form == "chunked" else 1 << 30)
+    return use
 F64 = torch.float64
 W = 4
 
@@ -75,7 +86,17 @@ def call_verify(p, bufs, *, conv, lower_bound, backend=None, f64=False):
                              p["slot_indices"], p["scratch_indices"], backend=backend, **kw)
 
 
-CASES = [  # (mode, conv, norm, lower_bound, act, K, V, T)
+def both_ring_forms(cases):
+    """Each ring-mode case once per form (``mtp_verify.ring_form``: the batch size picks one)."""
+    out = []
+    for case in cases:
+        mode, *rest = case.values
+        out += ([pytest.param(f"ring-{form}", *rest, id=f"{case.id}-{form}") for form in RING_FORMS]
+                if mode == "ring" else [case])
+    return out
+
+
+CASES = both_ring_forms([  # (mode, conv, norm, lower_bound, act, K, V, T)
     pytest.param("snapshot", True, False, -5.0, torch.bfloat16, 16, 24, 3, id="snapshot-conv-safegate-bf16-K16-V24"),
     pytest.param("ring", True, True, -2.0, torch.bfloat16, 16, 16, 3, id="ring-conv-norm-bf16"),
     pytest.param("snapshot", False, True, None, torch.float32, 24, 16, 3, id="snapshot-noconv-norm-defaultgate-f32"),
@@ -88,13 +109,26 @@ CASES = [  # (mode, conv, norm, lower_bound, act, K, V, T)
     # of the state kernel's K chunk; and a single step
     pytest.param("ring", False, False, -5.0, torch.float32, 48, 24, 11, id="ring-noconv-f32-K48-V24-11-steps"),
     pytest.param("ring", True, False, None, torch.bfloat16, 16, 16, 1, id="ring-conv-bf16-1-step"),
-]
+])
 
 
-@pytest.mark.parametrize("mode", ["ring", "snapshot"])
-def test_verify_steep_decay_stays_finite(mode):
+def test_ring_form_follows_the_batch():
+    """The chunk form once there are enough (request, value head) pairs to fill the GPU; the
+    recurrence below, where its single launch is faster (results/mtp_ring_forms_h200.json)."""
+    from kdakit.ops.mtp_verify import RING_CHUNK_FORM_ABOVE, ring_form
+    assert RING_CHUNK_FORM_ABOVE == 1024
+    assert ring_form(1, 32, 8) == "recurrent"
+    assert ring_form(4, 32, 8) == ring_form(16, 32, 2) == "recurrent"
+    assert ring_form(8, 32, 8) == ring_form(32, 32, 2) == ring_form(9, 32, 4) == "chunked"
+    assert ring_form(64, 32, 4) == "chunked"
+
+
+@pytest.mark.parametrize("mode", ["ring-chunked", "ring-recurrent", "snapshot"])
+def test_verify_steep_decay_stays_finite(mode, use_ring_form):
     """A = exp(A_log) ~ 55 with the default gate: per-step log-decays of -50 and below
     (exp underflows to 0; the state must decay, not turn NaN)."""
+    mode, _, form = mode.partition("-")
+    use_ring_form(form)
     p, d = make_problem(3, act=torch.float32, conv=False, T=8, K=16, V=16)
     p["A_log"] = torch.full_like(p["A_log"], 4.0)
     p["a"] = p["a"] * 4
@@ -106,7 +140,9 @@ def test_verify_steep_decay_stays_finite(mode):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("mode,conv,norm,lower_bound,act,K,V,T", CASES)
-def test_verify_matches_float64_reference(backend, mode, conv, norm, lower_bound, act, K, V, T):
+def test_verify_matches_float64_reference(backend, mode, conv, norm, lower_bound, act, K, V, T, use_ring_form):
+    mode, _, form = mode.partition("-")
+    use_ring_form(form)
     p, d = make_problem(11, act=act, conv=conv, norm=norm, K=K, V=V, T=T)
     state_before = p["state"].clone()
     conv_before = [c.clone() for c in p.get("conv_states", ())]
@@ -158,10 +194,12 @@ def plain_decode(p, d, state, conv_pool, tokens, slots, lower_bound):
     return outs
 
 
+@pytest.mark.parametrize("form", RING_FORMS)
 @pytest.mark.parametrize("lower_bound", [None, -3.0], ids=["default-gate", "safe-gate"])
-def test_speculative_loop_equals_plain_decode_and_ring_equals_snapshot_bitwise(lower_bound):
+def test_speculative_loop_equals_plain_decode_and_ring_equals_snapshot_bitwise(lower_bound, form, use_ring_form):
     """Rounds of verify + commit with random accept lengths: ring and snapshot commits agree
     bitwise, and both equal plain one-token decoding of the accepted tokens."""
+    use_ring_form(form)
     gen = torch.Generator().manual_seed(5)
     p, d = make_problem(21, N=2, T=3, K=16, V=16, padding=False)
     pools = {m: (p["state"].clone(), tuple(c.clone() for c in p["conv_states"])) for m in ("snapshot", "ring")}
@@ -214,13 +252,15 @@ def test_speculative_loop_equals_plain_decode_and_ring_equals_snapshot_bitwise(l
 
 @pytest.mark.parametrize("tile_bytes", [4096, 256], ids=["one-tile", "4-row-tiles"])
 @pytest.mark.parametrize("T", [1, 2, 5], ids=lambda t: f"T{t}")
-def test_snapshot_and_ring_verify_agree_and_ring_commit_is_bitwise(T, tile_bytes, monkeypatch):
+@pytest.mark.parametrize("form", RING_FORMS)
+def test_snapshot_and_ring_verify_agree_and_ring_commit_is_bitwise(T, tile_bytes, form, monkeypatch, use_ring_form):
     """Snapshot and ring verify (conv prologue kernel, then the recurrence or the chunk form)
     compute the same outputs and windows; a ring commit of any prefix equals the snapshot commit bitwise,
     whatever tile of state rows the recurrence kernels share."""
     from kdakit.ops import mtp_verify as mtp_verify_module
     from kdakit.ops.mtp_verify import mtp_verify_triton
     monkeypatch.setattr(mtp_verify_module, "RECURRENCE_TILE_BYTES", tile_bytes)
+    use_ring_form(form)
     p, d = make_problem(41, act=torch.bfloat16, conv=True, T=T, K=16, V=16, padding=True)
     results = {}
     for mode in ("snapshot", "ring"):

@@ -8,10 +8,12 @@ later commit can replay any accepted prefix. Conv windows after step ``t`` go to
 ``intermediate_conv[i][row, t]``. ``row = scratch_indices[n]``. With the short conv, a
 prologue kernel (``verify_conv.py``) convolves every channel once before the recurrence.
 
-Snapshot mode runs the recurrence here (the state after every step is written anyway);
-ring mode keeps no state, and computes its outputs in the chunk form (``ring_verify.py``)
-from one read of the state. The ring commit replays with this file's recurrence tile, so
-a ring commit equals a snapshot commit bitwise whatever form computed the outputs.
+Snapshot mode runs the recurrence here (the state after every step is written anyway).
+Ring mode keeps no state: beyond a few requests it computes its outputs in the chunk form
+(``ring_verify.py``) from one read of the state; at small batches, where launch latency
+rules, the recurrence here is faster (``ring_form``). The ring commit replays with this
+file's recurrence tile, so a ring commit equals a snapshot commit bitwise whichever form
+computed the outputs.
 """
 from __future__ import annotations
 
@@ -49,21 +51,25 @@ def _load_step(x_q, x_k, x_v, a, b, t, n64, i_hv, ch_qk, ch_v, offs_k, mask_k, m
 @triton.jit
 def _mtp_verify_kernel(
     q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, out,
-    snapshots, stride_state_slot, s_snap_row, s_snap_t, scale, lower_bound,
+    snapshots, ring_k, ring_v, ring_g, ring_beta,
+    stride_state_slot, s_snap_row, s_snap_t, s_rk_slot, s_rv_slot, s_rg_slot, s_rb_slot, ring_len,
+    scale, lower_bound,
     T: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-    SNAPSHOT: tl.constexpr, SAFE_GATE: tl.constexpr,
+    SNAPSHOT: tl.constexpr, RING: tl.constexpr, SAFE_GATE: tl.constexpr,
     WAIT_FOR_TOKENS: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
 ):
     # One program: BLOCK_V state rows of one (request, value head), carried in registers
     # through the T steps; each step's inputs are loaded while the previous step computes
     # (faster than preparing chunks of steps at once: results/mtp_schedule_sweep_h200.json).
-    # WAIT_FOR_TOKENS: a programmatic dependent launch after the
+    # Data shared by the programs of a key head (the k ring) has one writer: the group's
+    # first value head, V tile 0. WAIT_FOR_TOKENS: a programmatic dependent launch after the
     # conv prologue that writes q, k, v; the state tile loads while that kernel ends.
     i_v, i_hv, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if LAUNCH_DEPENDENTS:  # the output norm may start loading its gate now
         gdc_launch_dependents()
-    i_h = i_hv // (HV // H)
+    G: tl.constexpr = HV // H
+    i_h = i_hv // G
     offs_k = tl.arange(0, BLOCK_K)
     offs_v = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
     mask_k = offs_k < K
@@ -71,6 +77,8 @@ def _mtp_verify_kernel(
     slot = tl.load(slot_indices + i_n).to(tl.int64)
     row = tl.load(scratch_indices + i_n).to(tl.int64)
     live = slot >= 0  # padding rows: zero output, nothing else read or written
+    writes_head = live & (i_v == 0)
+    writes_key_head = writes_head & (i_hv % G == 0)
     mask_s = live & (mask_v[:, None] & mask_k[None, :])
     s_ptrs = state + slot * stride_state_slot + i_hv * V * K + offs_v[:, None] * K + offs_k[None, :]
     S = tl.load(s_ptrs, mask=mask_s, other=0.0).to(tl.float32)
@@ -93,6 +101,15 @@ def _mtp_verify_kernel(
         if t + 1 < T:
             nxt = _load_step(x_q, x_k, x_v, a, b, t + 1, n64, i_hv, ch_qk, ch_v, offs_k, mask_k, mask_v, bias,
                              A_log_h, lower_bound, T, H, HV, K, V, SAFE_GATE)
+        if RING:  # the raw per-step inputs of the commit's replay
+            tl.store(ring_k + slot * s_rk_slot + (i_h * ring_len + t) * K + offs_k, k_t.to(ring_k.dtype.element_ty),
+                     mask=mask_k & writes_key_head)
+            tl.store(ring_v + slot * s_rv_slot + (i_hv * ring_len + t) * V + offs_v,
+                     v_t.to(ring_v.dtype.element_ty), mask=mask_v & live)
+            tl.store(ring_g + slot * s_rg_slot + (i_hv * ring_len + t) * K + offs_k,
+                     g_t.to(ring_g.dtype.element_ty), mask=mask_k & writes_head)
+            tl.store(ring_beta + slot * s_rb_slot + i_hv * ring_len + t, beta_t.to(ring_beta.dtype.element_ty),
+                     mask=writes_head)
         q_hat = l2_normalize(q_t) * scale
         S = delta_rule_update(S, l2_normalize(k_t), v_t, g_t, beta_t)
         o = tl.where(live, tl.sum(S * q_hat[None, :], axis=1), 0.0)
@@ -120,6 +137,18 @@ def recurrence_tile(V: int, K: int) -> tuple[int, int]:
     return max(1, min(triton.next_power_of_2(V), rows)), 1
 
 
+# Ring mode runs the chunk form above this many (request, value head, step) triples and the
+# recurrence at or below it (results/mtp_ring_forms_h200.json, H = 32: the recurrence wins at
+# N <= 16 with 2 steps and N <= 4 with 4 or 8; from N = 8 with 8 steps the chunk form is
+# 1.5x faster). A benchmark sweep may set it (bench_mtp.py --ring-sweep).
+RING_CHUNK_FORM_ABOVE = 1024
+
+
+def ring_form(N: int, HV: int, T: int) -> str:
+    """"chunked" (ring_verify.py: two kernels, one read of the state) or "recurrent"."""
+    return "chunked" if N * HV * T > RING_CHUNK_FORM_ABOVE else "recurrent"
+
+
 def _strides(t, dims, default=0):
     return [t.stride(d) for d in dims] if t is not None else [default] * len(dims)
 
@@ -140,30 +169,34 @@ def mtp_verify_triton(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratc
                               scratch_indices, launch_dependents=pdl)
     norm = norm_weight is not None
     raw_out = torch.empty(out.shape, dtype=torch.float32, device=out.device) if norm else out
-    if rings is not None:  # no state after any step is kept: the chunk form (ring_verify.py)
+    if rings is not None and ring_form(N, HV, T) == "chunked":
         ring_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, raw_out, rings, scale=scale,
                     lower_bound=lower_bound, wait_for_tokens=conv, launch_dependents=norm, pdl=pdl)
     else:
         _launch_recurrence(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, raw_out, snapshots,
-                           scale, lower_bound, conv=conv, norm=norm, pdl=pdl)
+                           rings, scale, lower_bound, conv=conv, norm=norm, pdl=pdl)
     if norm:  # padding rows stay zero: their raw output is zero, and so is its norm
         gated_rmsnorm_after(raw_out, norm_gate, norm_weight, out, eps=norm_eps, wait_for_x=pdl)
     return out
 
 
 def _launch_recurrence(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, raw_out, snapshots,
-                       scale, lower_bound, *, conv, norm, pdl):
-    """The verify recurrence: outputs, and a snapshot after every step when ``snapshots`` is given."""
+                       rings, scale, lower_bound, *, conv, norm, pdl):
+    """The verify recurrence: outputs, and after every step a snapshot or the ring entries."""
     N, T, H, K = q.shape
     HV, V = v.shape[-2:]
+    dummy = state  # never dereferenced: the constexpr flags compile its uses away
+    ring_k, ring_v, ring_g, ring_beta = rings if rings is not None else (None,) * 4
     block_v, num_warps = recurrence_tile(V, K)
     _mtp_verify(
         (triton.cdiv(V, block_v), HV, N),
         (q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, raw_out,
-         snapshots if snapshots is not None else state,  # never dereferenced without SNAPSHOT
-         state.stride(0), *_strides(snapshots, (0, 1)), float(scale), float(lower_bound) if lower_bound is not None else 0.0),
+         *(t if t is not None else dummy for t in (snapshots, ring_k, ring_v, ring_g, ring_beta)),
+         state.stride(0), *_strides(snapshots, (0, 1)), *_strides(ring_k, (0,)), *_strides(ring_v, (0,)),
+         *_strides(ring_g, (0,)), *_strides(ring_beta, (0,)), ring_k.shape[2] if ring_k is not None else 0,
+         float(scale), float(lower_bound) if lower_bound is not None else 0.0),
         dict(T=T, H=H, HV=HV, K=K, V=V, BLOCK_K=triton.next_power_of_2(K), BLOCK_V=block_v,
-             SNAPSHOT=snapshots is not None,
+             SNAPSHOT=snapshots is not None and rings is None, RING=rings is not None,
              SAFE_GATE=lower_bound is not None, WAIT_FOR_TOKENS=conv and pdl, LAUNCH_DEPENDENTS=norm and pdl),
         num_warps=num_warps, num_stages=1, launch_pdl=conv and pdl)
 

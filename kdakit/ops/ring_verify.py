@@ -14,8 +14,9 @@ SPEC.md's steps 4-6, unrolled over the request's tokens, give
 Two kernels: ``_ring_verify_steps`` (one small program per request and value head: the
 pair sums, the triangular solve, ``x``, ``M`` and the k, g, β ring entries), then
 ``_ring_verify_state`` (the state streamed through shared memory into one matrix product
-with ``x``, plus ``v^T M^T``; the v ring entries), a dependent launch of the first. Each ``e^(G_t - G_s)`` is taken pair by pair
-(``e^G_t · e^-G_s`` overflows for fast-decaying channels).
+with ``x``, plus ``v^T M^T``; the v ring entries), a dependent launch of the first. Each
+``e^(G_t - G_s)`` is taken pair by pair (``e^G_t · e^-G_s`` overflows for fast-decaying
+channels).
 """
 from __future__ import annotations
 
