@@ -244,6 +244,30 @@ def ring_sweep(results, variants, batches):
                     torch.cuda.empty_cache()
 
 
+def conv_sweep(results, variants, batches):
+    """Verify with the short conv (ring and snapshot) for each conv prologue config
+    "<channels per program>x<warps>" (kdakit/ops/verify_conv.py), checked first."""
+    from kdakit.ops import verify_conv as verify_conv_module
+    ceiling = results["copy_ceiling_GBps"]
+    for variant in variants:
+        block_c, warps = (int(x) for x in variant.split("x"))
+        verify_conv_module.BLOCK_C, verify_conv_module.NUM_WARPS = block_c, warps
+        correctness(results, tag=f"-conv{variant}")
+        for num_spec in (1, 3, 7):
+            T = 1 + num_spec
+            for N in batches:
+                for mode in ("ring", "snapshot"):
+                    moved = N * STATE_BYTES * ((1 + T) if mode == "snapshot" else 1)
+                    nl = harness.layers_for(moved)
+                    layers = [make_layer(N, T, conv=True, mode=mode, seed=i, slots=N * (T + 1) + 2)
+                              for i in range(nl)]
+                    t = harness.graph_time_us([verify_call(L) for L in layers])
+                    results["rows"].append(harness.row(f"verify-{mode}-conv-{variant}", t, moved, ceiling,
+                                                       num_spec=num_spec, N=N, layers=nl))
+                    del layers
+                    torch.cuda.empty_cache()
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
@@ -256,10 +280,14 @@ def main():
     parser.add_argument("--ring-sweep", type=lambda x: x.split(","), default=None,
                         help="time only the ring verify, per variant: recurrent, chunked, or "
                              "<tf32x3|tf32|ieee>:<BVxwarps>:<k_chunk>:<stages>[:<steps warps>]")
+    parser.add_argument("--conv-sweep", type=lambda x: x.split(","), default=None,
+                        help="time only the verifies with the conv, per conv prologue config <channels>x<warps>")
     parser.add_argument("--name", default="mtp_h200")
     args = parser.parse_args()
     results = harness.new_results()
-    if args.ring_sweep:
+    if args.conv_sweep:
+        conv_sweep(results, args.conv_sweep, args.batches or (1, 64))
+    elif args.ring_sweep:
         ring_sweep(results, args.ring_sweep, args.batches or (1, 8, 64, 256))
     elif args.tile_bytes:
         from kdakit.ops import mtp_verify as mtp_verify_module

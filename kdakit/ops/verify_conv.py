@@ -106,7 +106,10 @@ def _verify_conv_kernel(
 
 _verify_conv = CachedKernel(_verify_conv_kernel)
 
-BLOCK_C = 128  # channels per program: [steps, 128] tiles, every load 256 contiguous bytes
+# Channels per program and warps: [steps, BLOCK_C] tiles; a benchmark sweep may set them
+# (bench_mtp.py --conv-sweep).
+BLOCK_C = 128
+NUM_WARPS = 4
 
 
 def verify_conv(q, k, v, conv_weights, conv_bias, conv_states, intermediate_conv, slot_indices, scratch_indices, *,
@@ -125,5 +128,5 @@ def verify_conv(q, k, v, conv_weights, conv_bias, conv_states, intermediate_conv
          *(ic.stride(d) for ic in intermediate_conv for d in (0, 1))),
         dict(C_QK=H * K, C_V=HV * V, T=T, W=conv_weights[0].shape[1], BLOCK_T=triton.next_power_of_2(T),
              BLOCK_C=BLOCK_C, HAS_BIAS=conv_bias is not None, LAUNCH_DEPENDENTS=bool(launch_dependents)),
-        num_warps=4, num_stages=1)
+        num_warps=NUM_WARPS, num_stages=1)
     return post
