@@ -69,6 +69,7 @@ kdakit.mtp_verify(q, k, v, aT, bT, A_log, dt_bias, state, idx, scratch, conv_wei
 from kdakit.ops import mtp_verify as mtp_verify_module  # noqa: E402
 chunk_form_above, mtp_verify_module.RING_CHUNK_FORM_ABOVE = mtp_verify_module.RING_CHUNK_FORM_ABOVE, 0  # at any batch
 kdakit.mtp_verify(q, k, v, aT, bT, A_log, dt_bias, state, idx, scratch, rings=rings, backend="triton")
+kdakit.mtp_verify(q, k, v, aT, bT, A_log, dt_bias, state.to(bf), idx, scratch, rings=rings, backend="triton")
 kdakit.mtp_verify(q, k, v, aT, bT, A_log, dt_bias, state, idx, scratch, conv_weights=conv_weights,
                   conv_states=conv_states, intermediate_conv=inter, rings=rings, norm_gate=rnd(N, T, HV, V),
                   norm_weight=torch.rand(V), backend="triton")

@@ -250,6 +250,21 @@ def test_speculative_loop_equals_plain_decode_and_ring_equals_snapshot_bitwise(l
         assert torch.equal(committed_conv[slot_list], plain_conv[slot_list]), "committed conv windows"
 
 
+@pytest.mark.parametrize("form", RING_FORMS)
+@pytest.mark.parametrize("pool_dtype", [torch.bfloat16, torch.float16], ids=["bf16-pool", "f16-pool"])
+def test_ring_verify_on_a_16_bit_state_pool(pool_dtype, form, use_ring_form):
+    """A 16-bit state pool (float32 math in registers) through both forms of ring mode,
+    against float64 on the same (rounded) pool; the pool stays untouched."""
+    use_ring_form(form)
+    p, d = make_problem(17, act=torch.float32, conv=False, T=4, K=32, V=16, H=2, HV=4)
+    p["state"] = p["state"].to(pool_dtype)
+    before = p["state"].clone()
+    ref_out = call_verify(p, fresh_buffers(d, mode="ring"), conv=False, lower_bound=-2.0, f64=True)
+    out = call_verify(p, fresh_buffers(d, mode="ring"), conv=False, lower_bound=-2.0, backend="triton")
+    assert_close(out, ref_out, 1e-5, "out")
+    assert torch.equal(p["state"], before)
+
+
 @pytest.mark.parametrize("tile_bytes", [4096, 256], ids=["one-tile", "4-row-tiles"])
 @pytest.mark.parametrize("T", [1, 2, 5], ids=lambda t: f"T{t}")
 @pytest.mark.parametrize("form", RING_FORMS)
