@@ -53,7 +53,7 @@ def _ring_verify_steps_kernel(
     live = slot >= 0
     bias = tl.load(dt_bias + i_hv * K + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
     A_log_h = tl.load(A_log + i_hv).to(tl.float32)
-    if WAIT_FOR_TOKENS:  # q, k, v come from the conv prologue launched just before
+    if WAIT_FOR_TOKENS:  # q and k come from the conv prologue launched just before
         gdc_wait()
 
     tok = i_n.to(tl.int64) * T + offs_t
