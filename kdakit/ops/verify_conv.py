@@ -31,31 +31,24 @@ def _conv_inputs(x, stride_x_t, window, stride_win_c, stride_win_w, ch, mask, li
 
 @triton.jit
 def _conv_silu_steps(x, stride_x_t, window, stride_win_c, stride_win_w, weight, bias, ch, mask, live,
-                      t0, T, W: tl.constexpr, BLOCK_T: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """[BLOCK_T, channels] SiLU(conv) of steps t0 .. t0+BLOCK_T-1 at once, all loads in flight
-    together, taps summed oldest first as the unfused conv kernel sums them
-    (triton_math.short_conv)."""
-    pos = t0 + tl.arange(0, BLOCK_T)[:, None]
+                     dst, stride_dst_t, store_mask, T, W: tl.constexpr, BLOCK_T: tl.constexpr,
+                     HAS_BIAS: tl.constexpr):
+    """[BLOCK_T, channels] SiLU(conv) of every step at once, all loads in flight together,
+    taps summed oldest first as the unfused conv kernel sums them (triton_math.short_conv).
+    Taps 1 .. W-1 of step t are the window after step t: they are stored as they are read
+    (into contiguous [C, W-1] blocks of ``dst``, where ``store_mask``)."""
+    pos = tl.arange(0, BLOCK_T)[:, None]
     acc = tl.zeros_like(pos.to(tl.float32) + ch[None, :].to(tl.float32))
     for j in tl.static_range(W):
         w = tl.load(weight + ch * W + j, mask=mask, other=0.0)
-        acc += w[None, :] * _conv_inputs(x, stride_x_t, window, stride_win_c, stride_win_w, ch, mask, live,
-                                         pos + j, T, W)
+        tap = _conv_inputs(x, stride_x_t, window, stride_win_c, stride_win_w, ch, mask, live, pos + j, T, W)
+        acc += w[None, :] * tap
+        if j >= 1:
+            tl.store(dst + pos * stride_dst_t + ch[None, :] * (W - 1) + (j - 1), tap.to(dst.dtype.element_ty),
+                     mask=(pos < T) & (store_mask & mask)[None, :])
     if HAS_BIAS:
         acc += tl.load(bias + ch, mask=mask, other=0.0)[None, :]
     return acc * tl.sigmoid(acc)
-
-
-@triton.jit
-def _store_windows(dst, stride_dst_t, x, stride_x_t, window, stride_win_c, stride_win_w, ch, mask, live,
-                   store_mask, t0, T, W: tl.constexpr, BLOCK_T: tl.constexpr):
-    """The window after each step t of the chunk (positions t+1 .. t+W-1), into contiguous
-    [C, W-1] blocks."""
-    pos = t0 + tl.arange(0, BLOCK_T)[:, None]
-    for p in tl.static_range(W - 1):
-        val = _conv_inputs(x, stride_x_t, window, stride_win_c, stride_win_w, ch, mask, live, pos + 1 + p, T, W)
-        tl.store(dst + pos * stride_dst_t + ch[None, :] * (W - 1) + p, val.to(dst.dtype.element_ty),
-                 mask=(pos < T) & (store_mask & mask)[None, :])
 
 
 @triton.jit
@@ -66,12 +59,11 @@ def _conv_part(x, window, weight, bias, inter, post, s_win_slot, s_win_c, s_win_
     mask = ch < C
     x_n = x + n64 * T * C                      # this request's token 0, channel 0
     win = window + slot * s_win_slot
-    y = _conv_silu_steps(x_n, C, win, s_win_c, s_win_w, weight, bias, ch, mask, live, 0, T, W, BLOCK_T, HAS_BIAS)
+    y = _conv_silu_steps(x_n, C, win, s_win_c, s_win_w, weight, bias, ch, mask, live, inter + row * s_inter_row,
+                         s_inter_t, live, T, W, BLOCK_T, HAS_BIAS)
     steps = tl.arange(0, BLOCK_T)
     tl.store(post + (n64 * T + steps[:, None]) * C + ch[None, :], y.to(post.dtype.element_ty),
              mask=(steps < T)[:, None] & mask[None, :])
-    _store_windows(inter + row * s_inter_row, s_inter_t, x_n, C, win, s_win_c, s_win_w, ch, mask, live, live, 0, T,
-                  W, BLOCK_T)
 
 
 @triton.jit
