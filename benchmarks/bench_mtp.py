@@ -124,7 +124,7 @@ def correctness(results, tag=""):
                                 accept - 1)
         kdakit.commit_ring(s2, *ring_layer["rings"], ring_layer["slots"], accept)
         same = torch.equal(s1, s2)
-        # the ring verify's outputs come from the chunk form: equal to the snapshot's up to rounding
+        # ring mode may compute its outputs in the chunk form: equal to the snapshot's up to rounding
         e_out = rel(ring_layer["out"], snap_layer["out"])
         results["checks"].append({"case": f"ring-commit-bitwise-snapshot-commit-T{T}-conv{int(conv)}-norm{int(norm)}"
                                           f"-L{ring_len or T}{tag}",
