@@ -168,6 +168,17 @@ def time_fla_chain(results, layers, T, moved, base):
         results["rows"].append({"name": "fla-spec-chain", **base, "error": repr(exc)[:200]})
 
 
+def time_verify(results, name, N, T, *, mode, conv):
+    """One verify config timed over enough layers' pools to stream from HBM (a row named
+    ``name``); returns the layers (for the commits) and the bytes of the verify's floor."""
+    moved = N * STATE_BYTES * ((1 + T) if mode == "snapshot" else 1)
+    nl = harness.layers_for(moved)
+    layers = [make_layer(N, T, conv=conv, mode=mode, seed=i, slots=N * (T + 1) + 2) for i in range(nl)]
+    t = harness.graph_time_us([verify_call(L) for L in layers])
+    results["rows"].append(harness.row(name, t, moved, results["copy_ceiling_GBps"], num_spec=T - 1, N=N, layers=nl))
+    return layers, moved
+
+
 def timings(results, quick, commit_only=False, batches=None, tag="", skip_fla=False):
     ceiling = results["copy_ceiling_GBps"]
     batches = batches or ((8, 64) if quick else (1, 8, 64, 256))
@@ -178,12 +189,9 @@ def timings(results, quick, commit_only=False, batches=None, tag="", skip_fla=Fa
             modes = (("snapshot", False), ("ring", False)) + (() if commit_only else (("snapshot", True),
                                                                                     ("ring", True)))
             for mode, conv in modes:
-                moved = N * STATE_BYTES * ((1 + T) if mode == "snapshot" else 1)
-                nl = harness.layers_for(moved)
-                layers = [make_layer(N, T, conv=conv, mode=mode, seed=i, slots=N * (T + 1) + 2) for i in range(nl)]
-                t = harness.graph_time_us([verify_call(L) for L in layers])
-                results["rows"].append(harness.row(f"verify-{mode}{'-conv' if conv else ''}{tag}", t, moved, ceiling,
-                                                   **base, layers=nl))
+                layers, moved = time_verify(results, f"verify-{mode}{'-conv' if conv else ''}{tag}", N, T, mode=mode,
+                                            conv=conv)
+                nl = len(layers)
                 if mode == "ring" and not conv:
                     for L in layers:
                         verify_call(L)()
@@ -215,9 +223,12 @@ def ring_sweep(results, variants, batches):
     form's "<precision>:<block_v>x<warps>:<k_chunk>:<stages>[:<steps kernel warps>]"; each
     checked against float64 before it is timed."""
     from kdakit.ops import mtp_verify as mtp_verify_module, ring_verify as ring_verify_module
-    ceiling = results["copy_ceiling_GBps"]
+    config_names = ("STEPS_WARPS", "DOT_PRECISION", "STATE_TILE", "K_CHUNK", "NUM_STAGES")
+    shipped = {name: getattr(ring_verify_module, name) for name in config_names}
     for variant in variants:
         mtp_verify_module.RING_CHUNK_FORM_ABOVE = 1 << 30 if variant == "recurrent" else 0
+        for name, value in shipped.items():  # every variant starts from the shipped config
+            setattr(ring_verify_module, name, value)
         if variant not in ("recurrent", "chunked"):
             precision, tile, k_chunk, stages, *steps_warps = variant.split(":")
             ring_verify_module.STEPS_WARPS = int(steps_warps[0]) if steps_warps else None
@@ -231,16 +242,10 @@ def ring_sweep(results, variants, batches):
             results["checks"].append({"case": f"ring-{variant}-N{N}-T{T}-conv{int(conv)}-norm{int(norm)}",
                                       "out_err": e_out, "ok": e_out < 2e-2})
         for num_spec in (1, 3, 7):
-            T = 1 + num_spec
             for N in batches:
                 for conv in (False, True):
-                    moved = N * STATE_BYTES
-                    nl = harness.layers_for(moved)
-                    layers = [make_layer(N, T, conv=conv, mode="ring", seed=i, slots=N + 2) for i in range(nl)]
-                    t = harness.graph_time_us([verify_call(L) for L in layers])
-                    results["rows"].append(harness.row(f"verify-ring{'-conv' if conv else ''}-{variant}", t, moved,
-                                                       ceiling, num_spec=num_spec, N=N, layers=nl))
-                    del layers
+                    time_verify(results, f"verify-ring{'-conv' if conv else ''}-{variant}", N, 1 + num_spec,
+                                mode="ring", conv=conv)
                     torch.cuda.empty_cache()
 
 
@@ -248,23 +253,14 @@ def conv_sweep(results, variants, batches):
     """Verify with the short conv (ring and snapshot) for each conv prologue config
     "<channels per program>x<warps>" (kdakit/ops/verify_conv.py), checked first."""
     from kdakit.ops import verify_conv as verify_conv_module
-    ceiling = results["copy_ceiling_GBps"]
     for variant in variants:
         block_c, warps = (int(x) for x in variant.split("x"))
         verify_conv_module.BLOCK_C, verify_conv_module.NUM_WARPS = block_c, warps
         correctness(results, tag=f"-conv{variant}")
         for num_spec in (1, 3, 7):
-            T = 1 + num_spec
             for N in batches:
                 for mode in ("ring", "snapshot"):
-                    moved = N * STATE_BYTES * ((1 + T) if mode == "snapshot" else 1)
-                    nl = harness.layers_for(moved)
-                    layers = [make_layer(N, T, conv=True, mode=mode, seed=i, slots=N * (T + 1) + 2)
-                              for i in range(nl)]
-                    t = harness.graph_time_us([verify_call(L) for L in layers])
-                    results["rows"].append(harness.row(f"verify-{mode}-conv-{variant}", t, moved, ceiling,
-                                                       num_spec=num_spec, N=N, layers=nl))
-                    del layers
+                    time_verify(results, f"verify-{mode}-conv-{variant}", N, 1 + num_spec, mode=mode, conv=True)
                     torch.cuda.empty_cache()
 
 

@@ -10,9 +10,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_mtp import make_layer, verify_call  # noqa: E402
-from kdakit.ops import ring_verify  # noqa: E402
+from kdakit.ops import mtp_verify, ring_verify  # noqa: E402
 
 N, T = int(sys.argv[1]), int(sys.argv[2])
+mtp_verify.RING_CHUNK_FORM_ABOVE = 0  # the chunk form at any batch
 if len(sys.argv) > 3:
     ring_verify.DOT_PRECISION = sys.argv[3]
     ring_verify.STATE_TILE = tuple(int(x) for x in sys.argv[4].split("x"))

@@ -31,12 +31,11 @@ def _conv_inputs(x, stride_x_t, window, stride_win_c, stride_win_w, ch, mask, li
 
 @triton.jit
 def _conv_silu_steps(x, stride_x_t, window, stride_win_c, stride_win_w, weight, bias, ch, mask, live,
-                     dst, stride_dst_t, store_mask, T, W: tl.constexpr, BLOCK_T: tl.constexpr,
-                     HAS_BIAS: tl.constexpr):
+                     dst, stride_dst_t, T, W: tl.constexpr, BLOCK_T: tl.constexpr, HAS_BIAS: tl.constexpr):
     """[BLOCK_T, channels] SiLU(conv) of every step at once, all loads in flight together,
     taps summed oldest first as the unfused conv kernel sums them (triton_math.short_conv).
     Taps 1 .. W-1 of step t are the window after step t: they are stored as they are read
-    (into contiguous [C, W-1] blocks of ``dst``, where ``store_mask``)."""
+    (into contiguous [C, W-1] blocks of ``dst``; none for a padding row, not ``live``)."""
     pos = tl.arange(0, BLOCK_T)[:, None]
     acc = tl.zeros_like(pos.to(tl.float32) + ch[None, :].to(tl.float32))
     for j in tl.static_range(W):
@@ -45,7 +44,7 @@ def _conv_silu_steps(x, stride_x_t, window, stride_win_c, stride_win_w, weight, 
         acc += w[None, :] * tap
         if j >= 1:
             tl.store(dst + pos * stride_dst_t + ch[None, :] * (W - 1) + (j - 1), tap.to(dst.dtype.element_ty),
-                     mask=(pos < T) & (store_mask & mask)[None, :])
+                     mask=(pos < T) & (live & mask)[None, :])
     if HAS_BIAS:
         acc += tl.load(bias + ch, mask=mask, other=0.0)[None, :]
     return acc * tl.sigmoid(acc)
@@ -60,7 +59,7 @@ def _conv_part(x, window, weight, bias, inter, post, s_win_slot, s_win_c, s_win_
     x_n = x + n64 * T * C                      # this request's token 0, channel 0
     win = window + slot * s_win_slot
     y = _conv_silu_steps(x_n, C, win, s_win_c, s_win_w, weight, bias, ch, mask, live, inter + row * s_inter_row,
-                         s_inter_t, live, T, W, BLOCK_T, HAS_BIAS)
+                         s_inter_t, T, W, BLOCK_T, HAS_BIAS)
     steps = tl.arange(0, BLOCK_T)
     tl.store(post + (n64 * T + steps[:, None]) * C + ch[None, :], y.to(post.dtype.element_ty),
              mask=(steps < T)[:, None] & mask[None, :])
