@@ -110,7 +110,11 @@ def correctness(results, tag=""):
             ok = e_out < 2e-2 and e_pool < 1e-2 and untouched
             results["checks"].append({"case": f"verify-{mode}-N{N}-T{T}-conv{int(conv)}-norm{int(norm)}{tag}",
                                       "out_err": e_out, "pool_err": e_pool, "ok": ok})
-    # ring commit == snapshot commit, bitwise, on the GPU (norm on and off, rings longer than T)
+    commit_bitwise_checks(results, tag)
+
+
+def commit_bitwise_checks(results, tag=""):
+    """Ring commit == snapshot commit, bitwise, on the GPU (norm on and off, rings longer than T)."""
     for norm, ring_len, T, conv in ((False, None, 4, True), (True, None, 4, True), (False, 8, 4, True),
                                     (True, 16, 4, True), (False, None, 8, False), (True, 8, 2, False)):
         N = 16
@@ -220,17 +224,20 @@ def timings(results, quick, commit_only=False, batches=None, tag="", skip_fla=Fa
 def ring_sweep(results, variants, batches):
     """Ring verify (no conv, then with it) at every batch for each variant, forced whatever
     the batch: "recurrent", "chunked" (kdakit/ops/ring_verify.py as configured), or the chunk
-    form's "<precision>:<block_v>x<warps>:<k_chunk>:<stages>[:<steps kernel warps>]"; each
-    checked against float64 before it is timed."""
+    form's "<precision>:<block_v>x<warps>:<k_chunk>:<stages>[:<steps kernel warps>][:p<programs per SM>]"
+    (p: the state kernel on a persistent grid); each checked against float64 before it is timed."""
     from kdakit.ops import mtp_verify as mtp_verify_module, ring_verify as ring_verify_module
-    config_names = ("STEPS_WARPS", "DOT_PRECISION", "STATE_TILE", "K_CHUNK", "NUM_STAGES")
+    config_names = ("STEPS_WARPS", "DOT_PRECISION", "STATE_TILE", "K_CHUNK", "NUM_STAGES", "STATE_PROGRAMS_PER_SM")
     shipped = {name: getattr(ring_verify_module, name) for name in config_names}
     for variant in variants:
         mtp_verify_module.RING_CHUNK_FORM_ABOVE = 1 << 30 if variant == "recurrent" else 0
         for name, value in shipped.items():  # every variant starts from the shipped config
             setattr(ring_verify_module, name, value)
         if variant not in ("recurrent", "chunked"):
-            precision, tile, k_chunk, stages, *steps_warps = variant.split(":")
+            fields = variant.split(":")
+            persistent = [f for f in fields if f.startswith("p")]
+            precision, tile, k_chunk, stages, *steps_warps = [f for f in fields if not f.startswith("p")]
+            ring_verify_module.STATE_PROGRAMS_PER_SM = int(persistent[0][1:]) if persistent else None
             ring_verify_module.STEPS_WARPS = int(steps_warps[0]) if steps_warps else None
             ring_verify_module.DOT_PRECISION = precision
             ring_verify_module.STATE_TILE = tuple(int(x) for x in tile.split("x"))
@@ -247,6 +254,33 @@ def ring_sweep(results, variants, batches):
                     time_verify(results, f"verify-ring{'-conv' if conv else ''}-{variant}", N, 1 + num_spec,
                                 mode="ring", conv=conv)
                     torch.cuda.empty_cache()
+
+
+def commit_sweep(results, tiles_per_program, batches):
+    """The ring commit with each number of tiles per program (kdakit/ops/commit.py
+    COMMIT_TILES) on the same verified layers, after the bitwise checks of each."""
+    from kdakit.ops import commit as commit_module
+    for tiles in tiles_per_program:
+        commit_module.COMMIT_TILES = tiles
+        commit_bitwise_checks(results, tag=f"-tiles{tiles}")
+    for num_spec in (1, 3, 7):
+        T = 1 + num_spec
+        for N in batches:
+            moved = 2 * N * STATE_BYTES
+            nl = harness.layers_for(moved)
+            layers = [make_layer(N, T, conv=False, mode="ring", seed=i, slots=N * (T + 1) + 2) for i in range(nl)]
+            for L in layers:
+                verify_call(L)()
+            accept = [torch.randint(1, T + 1, (N,), device="cuda", dtype=torch.int32) for _ in layers]
+            for tiles in tiles_per_program:
+                commit_module.COMMIT_TILES = tiles
+                t = harness.graph_time_us([
+                    (lambda L=L, acc=acc: kdakit.commit_ring(L["state"], *L["rings"], L["slots"], acc))
+                    for L, acc in zip(layers, accept)])
+                results["rows"].append(harness.row(f"commit-ring-tiles{tiles}", t, moved, results["copy_ceiling_GBps"],
+                                                   num_spec=num_spec, N=N, layers=nl))
+            del layers
+            torch.cuda.empty_cache()
 
 
 def conv_sweep(results, variants, batches):
@@ -278,10 +312,14 @@ def main():
                              "<tf32x3|tf32|ieee>:<BVxwarps>:<k_chunk>:<stages>[:<steps warps>]")
     parser.add_argument("--conv-sweep", type=lambda x: x.split(","), default=None,
                         help="time only the verifies with the conv, per conv prologue config <channels>x<warps>")
+    parser.add_argument("--commit-tiles", type=lambda x: tuple(int(n) for n in x.split(",")), default=None,
+                        help="time only the ring commit, per number of tiles a program folds (COMMIT_TILES)")
     parser.add_argument("--name", default="mtp_h200")
     args = parser.parse_args()
     results = harness.new_results()
-    if args.conv_sweep:
+    if args.commit_tiles:
+        commit_sweep(results, args.commit_tiles, args.batches or (64, 256))
+    elif args.conv_sweep:
         conv_sweep(results, args.conv_sweep, args.batches or (1, 64))
     elif args.ring_sweep:
         ring_sweep(results, args.ring_sweep, args.batches or (1, 8, 64, 256))

@@ -11,16 +11,20 @@ from kdakit.compat import sglang
 from helpers import assert_close
 
 BACKENDS = ["reference", "triton"]
-RING_FORMS = ["chunked", "recurrent"]  # kdakit.ops.mtp_verify.ring_form: the batch size picks one
+# kdakit.ops.mtp_verify.ring_form: the batch size picks one; "chunked-persistent": the chunk
+# form's state kernel on a persistent grid (two programs on the CPU, each taking several items)
+RING_FORMS = ["chunked", "chunked-persistent", "recurrent"]
 
 
 @pytest.fixture
 def use_ring_form(monkeypatch):
     """Force ring mode's form whatever the batch size (tests use tiny batches)."""
     from kdakit.ops import mtp_verify as mtp_verify_module
+    from kdakit.ops import ring_verify as ring_verify_module
 
     def use(form):
-        monkeypatch.setattr(mtp_verify_module, "RING_CHUNK_FORM_ABOVE", 0 if form == "chunked" else 1 << 30)
+        monkeypatch.setattr(mtp_verify_module, "RING_CHUNK_FORM_ABOVE", 1 << 30 if form == "recurrent" else 0)
+        monkeypatch.setattr(ring_verify_module, "STATE_PROGRAMS_PER_SM", 1 if form == "chunked-persistent" else None)
     return use
 F64 = torch.float64
 W = 4
@@ -265,16 +269,20 @@ def test_ring_verify_on_a_16_bit_state_pool(pool_dtype, form, use_ring_form):
     assert torch.equal(p["state"], before)
 
 
-@pytest.mark.parametrize("tile_bytes", [4096, 256], ids=["one-tile", "4-row-tiles"])
+@pytest.mark.parametrize("tile_bytes,commit_tiles", [(4096, 1), (256, 1), (256, 3)],
+                         ids=["one-tile", "4-row-tiles", "4-row-tiles-3-per-commit-program"])
 @pytest.mark.parametrize("T", [1, 2, 5], ids=lambda t: f"T{t}")
 @pytest.mark.parametrize("form", RING_FORMS)
-def test_snapshot_and_ring_verify_agree_and_ring_commit_is_bitwise(T, tile_bytes, form, monkeypatch, use_ring_form):
+def test_snapshot_and_ring_verify_agree_and_ring_commit_is_bitwise(T, tile_bytes, commit_tiles, form, monkeypatch,
+                                                                   use_ring_form):
     """Snapshot and ring verify (conv prologue kernel, then the recurrence or the chunk form)
     compute the same outputs and windows; a ring commit of any prefix equals the snapshot commit bitwise,
-    whatever tile of state rows the recurrence kernels share."""
+    whatever tile of state rows the recurrence kernels share and however many tiles a commit program folds."""
+    from kdakit.ops import commit as commit_module
     from kdakit.ops import mtp_verify as mtp_verify_module
     from kdakit.ops.mtp_verify import mtp_verify_triton
     monkeypatch.setattr(mtp_verify_module, "RECURRENCE_TILE_BYTES", tile_bytes)
+    monkeypatch.setattr(commit_module, "COMMIT_TILES", commit_tiles)
     use_ring_form(form)
     p, d = make_problem(41, act=torch.bfloat16, conv=True, T=T, K=16, V=16, padding=True)
     results = {}
@@ -311,8 +319,16 @@ def test_snapshot_and_ring_verify_agree_and_ring_commit_is_bitwise(T, tile_bytes
     assert torch.equal(snap_state, ring_state), "ring commit must equal snapshot commit bitwise"
 
 
+@pytest.mark.parametrize("commit_tiles", [1, 4], ids=["tile-per-program", "4-tiles-per-program"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_commit_ring_track_slot_null_block_and_all_layers(backend):
+def test_commit_ring_track_slot_null_block_and_all_layers(backend, commit_tiles, monkeypatch):
+    from kdakit.ops import commit as commit_module
+    from kdakit.ops import mtp_verify as mtp_verify_module
+    if commit_tiles > 1:  # 6 tiles of 4 rows (V = 24): one full program of 4 and one half-masked
+        if backend == "reference":
+            pytest.skip("tiles are a Triton launch parameter")
+        monkeypatch.setattr(mtp_verify_module, "RECURRENCE_TILE_BYTES", 256)
+        monkeypatch.setattr(commit_module, "COMMIT_TILES", commit_tiles)
     p, d = make_problem(31, conv=False, act=torch.float32, padding=False)
     bufs = fresh_buffers(d, mode="ring")
     kdakit.mtp_verify(p["q"], p["k"], p["v"], p["a"], p["b"], p["A_log"], p["dt_bias"], p["state"],
