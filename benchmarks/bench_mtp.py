@@ -224,20 +224,17 @@ def timings(results, quick, commit_only=False, batches=None, tag="", skip_fla=Fa
 def ring_sweep(results, variants, batches):
     """Ring verify (no conv, then with it) at every batch for each variant, forced whatever
     the batch: "recurrent", "chunked" (kdakit/ops/ring_verify.py as configured), or the chunk
-    form's "<precision>:<block_v>x<warps>:<k_chunk>:<stages>[:<steps kernel warps>][:p<programs per SM>]"
-    (p: the state kernel on a persistent grid); each checked against float64 before it is timed."""
+    form's "<precision>:<block_v>x<warps>:<k_chunk>:<stages>[:<steps kernel warps>]"; each
+    checked against float64 before it is timed."""
     from kdakit.ops import mtp_verify as mtp_verify_module, ring_verify as ring_verify_module
-    config_names = ("STEPS_WARPS", "DOT_PRECISION", "STATE_TILE", "K_CHUNK", "NUM_STAGES", "STATE_PROGRAMS_PER_SM")
+    config_names = ("STEPS_WARPS", "DOT_PRECISION", "STATE_TILE", "K_CHUNK", "NUM_STAGES")
     shipped = {name: getattr(ring_verify_module, name) for name in config_names}
     for variant in variants:
         mtp_verify_module.RING_CHUNK_FORM_ABOVE = 1 << 30 if variant == "recurrent" else 0
         for name, value in shipped.items():  # every variant starts from the shipped config
             setattr(ring_verify_module, name, value)
         if variant not in ("recurrent", "chunked"):
-            fields = variant.split(":")
-            persistent = [f for f in fields if f.startswith("p")]
-            precision, tile, k_chunk, stages, *steps_warps = [f for f in fields if not f.startswith("p")]
-            ring_verify_module.STATE_PROGRAMS_PER_SM = int(persistent[0][1:]) if persistent else None
+            precision, tile, k_chunk, stages, *steps_warps = variant.split(":")
             ring_verify_module.STEPS_WARPS = int(steps_warps[0]) if steps_warps else None
             ring_verify_module.DOT_PRECISION = precision
             ring_verify_module.STATE_TILE = tuple(int(x) for x in tile.split("x"))

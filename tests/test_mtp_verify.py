@@ -11,20 +11,16 @@ from kdakit.compat import sglang
 from helpers import assert_close
 
 BACKENDS = ["reference", "triton"]
-# kdakit.ops.mtp_verify.ring_form: the batch size picks one; "chunked-persistent": the chunk
-# form's state kernel on a persistent grid (two programs on the CPU, each taking several items)
-RING_FORMS = ["chunked", "chunked-persistent", "recurrent"]
+RING_FORMS = ["chunked", "recurrent"]  # kdakit.ops.mtp_verify.ring_form: the batch size picks one
 
 
 @pytest.fixture
 def use_ring_form(monkeypatch):
     """Force ring mode's form whatever the batch size (tests use tiny batches)."""
     from kdakit.ops import mtp_verify as mtp_verify_module
-    from kdakit.ops import ring_verify as ring_verify_module
 
     def use(form):
-        monkeypatch.setattr(mtp_verify_module, "RING_CHUNK_FORM_ABOVE", 1 << 30 if form == "recurrent" else 0)
-        monkeypatch.setattr(ring_verify_module, "STATE_PROGRAMS_PER_SM", 1 if form == "chunked-persistent" else None)
+        monkeypatch.setattr(mtp_verify_module, "RING_CHUNK_FORM_ABOVE", 0 if form == "chunked" else 1 << 30)
     return use
 F64 = torch.float64
 W = 4

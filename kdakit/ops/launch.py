@@ -123,19 +123,6 @@ def pdl_available(device: torch.device) -> bool:
 
 
 _CAPABILITY_MAJOR: dict = {}  # CUDA device index -> compute capability major (host time per call)
-_SM_COUNT: dict = {}
-
-
-def sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device (cached); 2 on the CPU, so that the
-    interpreter runs persistent grids with several items per program."""
-    if device.type != "cuda":
-        return 2
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    count = _SM_COUNT.get(index)
-    if count is None:
-        count = _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return count
 
 
 _COUNTERS: dict = {}  # (device, stream) -> int32 arrival counters, zero between launches

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from .launch import CachedKernel, sm_count
+from .launch import CachedKernel
 from .triton_math import kda_log_decay
 
 
@@ -113,56 +113,43 @@ def _ring_verify_steps_kernel(
 
 @triton.jit
 def _ring_verify_state_kernel(
-    state, v, slot_indices, x_rows, m_rows, out, ring_v, stride_state_slot, s_rv_slot, ring_len, N,
+    state, v, slot_indices, x_rows, m_rows, out, ring_v, stride_state_slot, s_rv_slot, ring_len,
     T: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     DOT_T: tl.constexpr, BLOCK_V: tl.constexpr, K_CHUNK: tl.constexpr, NUM_STAGES: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, ITEMS_PER_PROGRAM: tl.constexpr, WAIT_FOR_STEPS: tl.constexpr,
-    LAUNCH_DEPENDENTS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, WAIT_FOR_STEPS: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
 ):
-    # One item: BLOCK_V state rows of one (request, value head); out = S_0 x^T + v^T M^T,
-    # and these rows of the v ring. A program takes items program_id + j * num_programs for
-    # j < ITEMS_PER_PROGRAM (one each, or a persistent grid whose flattened loop keeps the
-    # state stream in flight across items; a constant trip count, items past the end
-    # masked). DOT_T >= 16 steps (a dot's smallest side); the steps past T are zero.
-    V_BLOCKS: tl.constexpr = (V + BLOCK_V - 1) // BLOCK_V
+    # One program: BLOCK_V state rows of one (request, value head); out = S_0 x^T + v^T M^T,
+    # and these rows of the v ring. DOT_T >= 16 steps (a dot's smallest side); the steps
+    # past T are zero.
+    i_v, i_hv, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if LAUNCH_DEPENDENTS:  # the output norm may start loading its gate now
         gdc_launch_dependents()
-    FLATTEN: tl.constexpr = ITEMS_PER_PROGRAM > 1
-    if WAIT_FOR_STEPS and FLATTEN:  # x and M come from the steps kernel (and v from the conv before it)
-        gdc_wait()
     offs_t = tl.arange(0, DOT_T)
-    mask_t = offs_t < T
-    for j in tl.range(0, ITEMS_PER_PROGRAM, flatten=FLATTEN):
-        item = tl.program_id(0) + j * tl.num_programs(0)
-        in_range = item < N * HV * V_BLOCKS
-        i_v = item % V_BLOCKS
-        i_hv = (item // V_BLOCKS) % HV
-        i_n = item // (V_BLOCKS * HV)
-        offs_v = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
-        mask_v = offs_v < V
-        slot = tl.load(slot_indices + i_n, mask=in_range, other=-1).to(tl.int64)
-        live = slot >= 0  # padding rows: zero output, nothing of the pool read
-        head = i_n.to(tl.int64) * HV + i_hv
-        state_rows = state + slot * stride_state_slot + i_hv * V * K + offs_v[:, None] * K
-        x_head = x_rows + (head * T + offs_t)[:, None] * K
-        if WAIT_FOR_STEPS and not FLATTEN:  # one item: its slot is read while the steps kernel ends
-            gdc_wait()
-        mask_vt = in_range & mask_v[:, None] & mask_t[None, :]
-        tok = i_n.to(tl.int64) * T + offs_t
-        vT = tl.load(v + (tok * HV + i_hv)[None, :] * V + offs_v[:, None], mask=mask_vt, other=0.0)
-        tl.store(ring_v + slot * s_rv_slot + i_hv * ring_len * V + offs_t[None, :] * V + offs_v[:, None],
-                 vT.to(ring_v.dtype.element_ty), mask=mask_vt & live)
-        M = tl.load(m_rows + (head * T + offs_t)[:, None] * T + offs_t[None, :],
-                    mask=live & mask_t[:, None] & mask_t[None, :], other=0.0)
-        acc = tl.zeros((BLOCK_V, DOT_T), dtype=tl.float32)
-        for k0 in tl.range(0, K, K_CHUNK, num_stages=NUM_STAGES):
-            offs_c = k0 + tl.arange(0, K_CHUNK)
-            mask_c = offs_c < K
-            S0 = tl.load(state_rows + offs_c[None, :], mask=live & mask_v[:, None] & mask_c[None, :], other=0.0)
-            x = tl.load(x_head + offs_c[None, :], mask=live & mask_t[:, None] & mask_c[None, :], other=0.0)
-            acc = tl.dot(S0.to(tl.float32), tl.trans(x), acc, input_precision=DOT_PRECISION)
-        o = tl.dot(vT.to(tl.float32), tl.trans(M), acc, input_precision=DOT_PRECISION)
-        tl.store(out + (tok * HV + i_hv)[None, :] * V + offs_v[:, None], o.to(out.dtype.element_ty), mask=mask_vt)
+    offs_v = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask_t, mask_v = offs_t < T, offs_v < V
+    slot = tl.load(slot_indices + i_n).to(tl.int64)
+    live = slot >= 0  # padding rows: zero output, nothing of the pool read
+    head = i_n.to(tl.int64) * HV + i_hv
+    state_rows = state + slot * stride_state_slot + i_hv * V * K + offs_v[:, None] * K
+    x_head = x_rows + (head * T + offs_t)[:, None] * K
+    if WAIT_FOR_STEPS:  # x and M come from the steps kernel (and v from the conv before it)
+        gdc_wait()
+    mask_vt = mask_v[:, None] & mask_t[None, :]
+    tok = i_n.to(tl.int64) * T + offs_t
+    vT = tl.load(v + (tok * HV + i_hv)[None, :] * V + offs_v[:, None], mask=mask_vt, other=0.0)
+    tl.store(ring_v + slot * s_rv_slot + i_hv * ring_len * V + offs_t[None, :] * V + offs_v[:, None],
+             vT.to(ring_v.dtype.element_ty), mask=mask_vt & live)
+    M = tl.load(m_rows + (head * T + offs_t)[:, None] * T + offs_t[None, :],
+                mask=live & mask_t[:, None] & mask_t[None, :], other=0.0)
+    acc = tl.zeros((BLOCK_V, DOT_T), dtype=tl.float32)
+    for k0 in tl.range(0, K, K_CHUNK, num_stages=NUM_STAGES):
+        offs_c = k0 + tl.arange(0, K_CHUNK)
+        mask_c = offs_c < K
+        S0 = tl.load(state_rows + offs_c[None, :], mask=live & mask_v[:, None] & mask_c[None, :], other=0.0)
+        x = tl.load(x_head + offs_c[None, :], mask=live & mask_t[:, None] & mask_c[None, :], other=0.0)
+        acc = tl.dot(S0.to(tl.float32), tl.trans(x), acc, input_precision=DOT_PRECISION)
+    o = tl.dot(vT.to(tl.float32), tl.trans(M), acc, input_precision=DOT_PRECISION)
+    tl.store(out + (tok * HV + i_hv)[None, :] * V + offs_v[:, None], o.to(out.dtype.element_ty), mask=mask_vt)
 
 
 _ring_verify_steps = CachedKernel(_ring_verify_steps_kernel)
@@ -175,17 +162,6 @@ K_CHUNK = 32
 NUM_STAGES = 4
 DOT_PRECISION = "tf32x3"
 STEPS_WARPS = None  # None: steps_warps' choice
-# None: one item (BLOCK_V rows of a head) per program; n: a persistent grid of n programs
-# per SM, each streaming its items through one flattened pipeline.
-STATE_PROGRAMS_PER_SM = None
-
-
-def state_programs(items: int, device: torch.device) -> int:
-    """The most programs of the state kernel for ``items`` items (see STATE_PROGRAMS_PER_SM);
-    the launch rounds the items per program up to a power of two (few compiled variants)."""
-    if STATE_PROGRAMS_PER_SM is None:
-        return items
-    return max(1, min(items, STATE_PROGRAMS_PER_SM * sm_count(device)))
 
 
 def steps_warps(T: int) -> int:
@@ -217,16 +193,11 @@ def ring_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, out, rings, 
         num_warps=steps_warps(T), num_stages=1, launch_pdl=wait_for_tokens and pdl)
     block_v, num_warps = STATE_TILE
     block_v = max(16, min(block_v, triton.next_power_of_2(V)))
-    items = N * HV * triton.cdiv(V, block_v)
-    items_per_program = triton.next_power_of_2(triton.cdiv(items, state_programs(items, q.device)))
-    programs = triton.cdiv(items, items_per_program)
     _ring_verify_state(
-        (programs,),
-        (state, v, slot_indices, x_rows, m_rows, out, ring_v, state.stride(0), ring_v.stride(0), ring_v.shape[2], N),
+        (triton.cdiv(V, block_v), HV, N),
+        (state, v, slot_indices, x_rows, m_rows, out, ring_v, state.stride(0), ring_v.stride(0), ring_v.shape[2]),
         dict(T=T, HV=HV, K=K, V=V, DOT_T=max(16, triton.next_power_of_2(T)), BLOCK_V=block_v,
              K_CHUNK=max(16, min(K_CHUNK, triton.next_power_of_2(K))), NUM_STAGES=NUM_STAGES,
-             DOT_PRECISION=DOT_PRECISION, ITEMS_PER_PROGRAM=items_per_program, WAIT_FOR_STEPS=pdl,
-             LAUNCH_DEPENDENTS=launch_dependents and pdl),
-        num_warps=num_warps if block_v >= 64 else 4, num_stages=NUM_STAGES if items_per_program > 1 else 1,
-        launch_pdl=pdl)
+             DOT_PRECISION=DOT_PRECISION, WAIT_FOR_STEPS=pdl, LAUNCH_DEPENDENTS=launch_dependents and pdl),
+        num_warps=num_warps if block_v >= 64 else 4, num_stages=1, launch_pdl=pdl)
     return out
