@@ -61,11 +61,11 @@ def make_layer(N, H, HV, K, V, *, state_dtype=torch.float32, act_dtype=torch.bfl
     }
 
 
-def fused_call(layer, norm=True, lower_bound=None, early_start=False):
+def fused_call(layer, norm=True, lower_bound=None):
     kw = dict(norm_gate=layer["norm_gate"], norm_weight=layer["norm_weight"]) if norm else {}
     return lambda: fused_decode(layer["qkv"], layer["conv_weight"], layer["conv_state"], layer["a"], layer["b"],
                                 layer["A_log"], layer["dt_bias"], layer["state"], layer["idx"], out=layer["out"],
-                                lower_bound=lower_bound, early_start=early_start, **kw)
+                                lower_bound=lower_bound, **kw)
 
 
 def chain_call(layer, norm=True, lower_bound=None):
@@ -80,7 +80,7 @@ def chain_call(layer, norm=True, lower_bound=None):
     return call
 
 
-def dependent_chain_call(layer, norm=True, pdl=True, conv_config=None, decode_config=None, early_start=False):
+def dependent_chain_call(layer, norm=True, pdl=True, conv_config=None, decode_config=None):
     """The op's own unfused chain, each kernel a programmatic dependent launch of the one before."""
     from kdakit.ops.fused_decode import _unfused_chain
     kw = dict(norm_gate=layer["norm_gate"], norm_weight=layer["norm_weight"]) if norm else dict(norm_gate=None,
@@ -89,8 +89,7 @@ def dependent_chain_call(layer, norm=True, pdl=True, conv_config=None, decode_co
     return lambda: _unfused_chain(layer["qkv"], layer["conv_weight"], layer["conv_state"], layer["a"], layer["b"],
                                   layer["A_log"], layer["dt_bias"], layer["state"], layer["idx"], layer["out"],
                                   conv_bias=None, scale=K ** -0.5, lower_bound=None, norm_eps=1e-6, pdl=pdl,
-                                  early_start=early_start, conv_config=conv_config, decode_config=decode_config,
-                                  **kw)
+                                  conv_config=conv_config, decode_config=decode_config, **kw)
 
 
 def packed_call(layer):
@@ -225,8 +224,7 @@ def correctness(results):
 def check_dependent_chain(results):
     """The chain with programmatic dependent launches: against float64, and 100 repeats from
     the same pools bitwise equal to the same chain launched plainly (a read before its
-    wait would see the previous kernel's output half-written, and differ); the same with
-    the conv itself launched early after a kernel that writes the output buffer."""
+    wait would see the previous kernel's output half-written, and differ)."""
     H = HV = 32
     K = V = 128
     for N, norm in ((1, True), (8, False), (32, True), (256, True)):
@@ -236,18 +234,15 @@ def check_dependent_chain(results):
         state0, conv0 = layer["state"].clone(), layer["conv_state"].clone()
         ref_out, ref_state, ref_conv = ref_fused(layer, norm)
 
-        def run(pdl, early_start=False):
+        def run(pdl):
             layer["state"].copy_(state0)
             layer["conv_state"].copy_(conv0)
             layer["out"].fill_(float("nan"))
-            dependent_chain_call(layer, norm, pdl, early_start=early_start)()
+            dependent_chain_call(layer, norm, pdl)()
             return layer["out"].clone(), layer["state"].clone(), layer["conv_state"].clone()
 
         plain = run(False)
         same = all(all(torch.equal(x, y) for x, y in zip(plain, run(True))) for _ in range(100))
-        same_early = all(all(torch.equal(x, y) for x, y in zip(plain, run(True, True))) for _ in range(100))
-        results["checks"].append({"case": f"early-start-chain-N{N}-norm{int(norm)}-repeat100-bitwise-plain",
-                                  "untouched": same_early, "ok": same_early})
         live = layer["idx"][layer["idx"] >= 0].long()
         e_out, e_state = rel(plain[0], ref_out), rel(plain[1][live], ref_state[live])
         conv_ok = torch.equal(plain[2][live], ref_conv[live].to(plain[2].dtype))
@@ -359,7 +354,6 @@ def timings(results, quick: bool, sweep: str | None = None):
         layers = [make_layer(N, H, HV, K, V, seed=i) for i in range(num_layers)]
         base = {"N": N, "layers": num_layers, "floor_us": round(moved / (ceiling * 1e3), 2)}
         for name, make in (("fused+norm", lambda l: fused_call(l, True)),
-                           ("fused+norm early start", lambda l: fused_call(l, True, early_start=True)),
                            ("fused", lambda l: fused_call(l, False)),
                            ("chain conv+decode+norm", lambda l: chain_call(l, True)),
                            ("chain conv+decode", lambda l: chain_call(l, False)),

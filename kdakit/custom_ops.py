@@ -84,11 +84,10 @@ def packed_decode(mixed_qkv: Tensor, a: Tensor, b: Tensor, A_log: Tensor, dt_bia
 def fused_decode(qkv: Tensor, conv_weight: Tensor, conv_state: Tensor, a: Tensor, b: Tensor, A_log: Tensor,
                  dt_bias: Tensor, state: Tensor, slot_indices: Tensor, out: Tensor, conv_bias: Optional[Tensor],
                  scale: float, lower_bound: Optional[float], norm_gate: Optional[Tensor],
-                 norm_weight: Optional[Tensor], norm_eps: float, early_start: bool, backend: Optional[str]) -> None:
+                 norm_weight: Optional[Tensor], norm_eps: float, backend: Optional[str]) -> None:
     _, impl = select("fused_decode", qkv.device, backend)
     impl(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, state, slot_indices, out, conv_bias=conv_bias,
-         scale=scale, lower_bound=lower_bound, norm_gate=norm_gate, norm_weight=norm_weight, norm_eps=norm_eps,
-         early_start=early_start)
+         scale=scale, lower_bound=lower_bound, norm_gate=norm_gate, norm_weight=norm_weight, norm_eps=norm_eps)
 
 
 @_op("causal_conv1d_update", ("conv_state", "out"))

@@ -49,10 +49,6 @@ _unfused_chain(qkv, conv_w, conv_state, aa, bb, A_log, dt_bias, state, slots_b.c
                norm_gate=rnd(80, HV * V), norm_weight=torch.rand(V), norm_eps=1e-6, pdl=True)  # waits compile
 assert COMPILED_FOR_TARGET[n_before:] == ["_causal_conv1d_update_kernel", "_packed_decode_kernel",
                                           "_gated_rmsnorm_kernel"], COMPILED_FOR_TARGET[n_before:]
-n_before = len(COMPILED_FOR_TARGET)
-kdakit.fused_decode(qkv, conv_w, conv_state, aa, bb, A_log, dt_bias, state, slots_b.clamp(min=-1),
-                    norm_gate=rnd(80, HV * V), norm_weight=torch.rand(V), early_start=True, backend="triton")
-assert COMPILED_FOR_TARGET[n_before:][0] == "_causal_conv1d_update_kernel", COMPILED_FOR_TARGET[n_before:]
 kdakit.causal_conv1d_update(mixed, conv_state, conv_w, idx, backend="triton")
 kdakit.gated_rmsnorm(rnd(N, HV, V), rnd(N, HV, V), torch.rand(V), backend="triton")
 q, k, v = rnd(N, T, H, K), rnd(N, T, H, K), rnd(N, T, HV, V)

@@ -320,7 +320,7 @@ def _opcheck_args(case):
         return "packed_decode", (*args, kw["out"], 8 ** -0.5, True, kw["lower_bound"], None)
     if case.startswith("fused_decode"):
         return "fused_decode", (*args, kw["out"], kw["conv_bias"], 8 ** -0.5, None, kw["norm_gate"],
-                                kw["norm_weight"], 1e-6, False, None)
+                                kw["norm_weight"], 1e-6, None)
     if case.startswith("causal_conv1d_update"):
         return "causal_conv1d_update", (*args, kw["out"], kw["bias"], None)
     if case.startswith("gated_rmsnorm"):

@@ -88,7 +88,7 @@ def check_windows(conv, ref_conv, act_dtype):
         assert_close(conv, ref_conv, 1e-2, "conv windows")
 
 
-def run_case(backend, H, HV, K, V, *, lower_bound=None, out_dtype=None, early_start=False, **case):
+def run_case(backend, H, HV, K, V, *, lower_bound=None, out_dtype=None, **case):
     t, kw = make_case(H, HV, K, V, **case)
     idx = t["slot_indices"]
     slots = t["state"].shape[0]
@@ -97,8 +97,7 @@ def run_case(backend, H, HV, K, V, *, lower_bound=None, out_dtype=None, early_st
     flat_before = torch.as_strided(t["state"], (storage_len,), (1,)).clone()
     ref_out, ref_state, ref_conv = ref_run(t, kw, lower_bound=lower_bound)
     out = torch.full((idx.shape[0], 1, HV, V), POISON).to(out_dtype or t["qkv"].dtype)
-    result = fused_decode(*(t[n] for n in ARGS), **kw, lower_bound=lower_bound, out=out, early_start=early_start,
-                          backend=backend)
+    result = fused_decode(*(t[n] for n in ARGS), **kw, lower_bound=lower_bound, out=out, backend=backend)
     assert result is out
     tol = tol_for(t["qkv"].dtype, t["state"].dtype, out.dtype)
     assert_close(out, ref_out, tol, "out")
@@ -152,14 +151,6 @@ def test_gates(backend, lower_bound, norm):
                               "W4-pool-contiguous", "W5-pool-transposed"])
 def test_conv_widths_and_pool_layouts(backend, W, transposed):
     run_case(backend, 1, 2, 16, 16, W=W, transposed=transposed, conv_bias=W % 2 == 0, seed=3 + W)
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("norm", [True, False], ids=["norm", "no-norm"])
-def test_early_start_is_the_same_step(backend, norm):
-    """``early_start`` changes only when the first kernel may start (a dependent launch where
-    the GPU has them; ignored here): the same step against float64, pools and padding alike."""
-    run_case(backend, 1, 2, 16, 32, norm=norm, early_start=True, seed=23)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

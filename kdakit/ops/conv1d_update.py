@@ -25,16 +25,12 @@ def _causal_conv1d_update_kernel(
     x, conv_state, weight, bias, slot_indices, out,
     num_channels, stride_x_row, stride_out_row, stride_conv_slot, stride_conv_chan, stride_conv_tap,
     W: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_TAPS: tl.constexpr, HAS_BIAS: tl.constexpr,
-    LAUNCH_DEPENDENTS: tl.constexpr, EARLY_START: tl.constexpr,
+    LAUNCH_DEPENDENTS: tl.constexpr,
 ):
     # One program per (block of channels, request): each channel's window has exactly
     # one reader and writer, so the in-place shift needs no cross-program ordering.
-    # EARLY_START: a programmatic dependent launch of whatever kernel runs before it; the
-    # slot, window and weights load while that kernel ends, x after it (conv_inputs).
-    # Its dependents start only after its wait: their early loads (the decode's gate inputs
-    # among them) must not run while the kernel before this one still does.
     i_c, i_b = tl.program_id(0), tl.program_id(1)
-    if LAUNCH_DEPENDENTS and not EARLY_START:  # the decode after it may start loading its state now
+    if LAUNCH_DEPENDENTS:  # the decode after it may start loading its state now
         gdc_launch_dependents()
     offs_c = i_c * BLOCK_C + tl.arange(0, BLOCK_C)
     mask_c = offs_c < num_channels
@@ -42,8 +38,7 @@ def _causal_conv1d_update_kernel(
     live = slot >= 0
     win_ptrs = conv_state + slot * stride_conv_slot + offs_c.to(tl.int64) * stride_conv_chan
     y = short_conv_update(x + i_b.to(tl.int64) * stride_x_row + offs_c, win_ptrs, weight + offs_c * W,
-                          bias + offs_c, stride_conv_tap, mask_c, live, W, BLOCK_TAPS, HAS_BIAS, EARLY_START,
-                          LAUNCH_DEPENDENTS and EARLY_START)
+                          bias + offs_c, stride_conv_tap, mask_c, live, W, BLOCK_TAPS, HAS_BIAS)
     y = tl.where(live, y, 0.0)
     tl.store(out + i_b.to(tl.int64) * stride_out_row + offs_c, y.to(out.dtype.element_ty), mask=mask_c)
 
@@ -60,11 +55,9 @@ def _launch_config(channels: int) -> tuple:
 
 @register("causal_conv1d_update", "triton")
 def causal_conv1d_update_triton(x, conv_state, weight, slot_indices, out, *, bias=None, config=None,
-                                launch_dependents=False, early_start=False):
+                                launch_dependents=False):
     """``config = (BLOCK_C, num_warps)`` overrides the pinned choice (sweeps, tests);
-    ``launch_dependents``: the next kernel, a programmatic dependent launch, may start early;
-    ``early_start``: this kernel is one, of whatever kernel runs before it (which must write
-    none of ``slot_indices``, ``conv_state``, ``weight``, ``bias``: they load before the wait)."""
+    ``launch_dependents``: the next kernel, a programmatic dependent launch, may start early."""
     B, C = x.shape
     if B == 0:
         return out
@@ -75,8 +68,8 @@ def causal_conv1d_update_triton(x, conv_state, weight, slot_indices, out, *, bia
         (x, conv_state, weight, bias if bias is not None else weight, slot_indices, out,
          C, x.stride(0), out.stride(0), conv_state.stride(0), conv_state.stride(1), conv_state.stride(2)),
         dict(W=W, BLOCK_C=block_c, BLOCK_TAPS=triton.next_power_of_2(W - 1), HAS_BIAS=bias is not None,
-             LAUNCH_DEPENDENTS=bool(launch_dependents), EARLY_START=bool(early_start)),
-        num_warps=num_warps, num_stages=1, launch_pdl=bool(early_start))
+             LAUNCH_DEPENDENTS=bool(launch_dependents)),
+        num_warps=num_warps, num_stages=1)
     return out
 
 

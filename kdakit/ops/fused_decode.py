@@ -233,20 +233,18 @@ def _chain_decode_config(batch: int, HV: int, V: int, K: int, state_itemsize: in
 
 
 def _unfused_chain(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, state, slot_indices, out, *, conv_bias,
-                   scale, lower_bound, norm_gate, norm_weight, norm_eps, pdl=None, early_start=False,
-                   conv_config=None, decode_config=None):
+                   scale, lower_bound, norm_gate, norm_weight, norm_eps, pdl=None, conv_config=None,
+                   decode_config=None):
     """conv -> packed decode (-> gated norm). ``pdl`` (default: ``pdl_available``): each
     kernel after the first is a programmatic dependent launch of the one before, so its
     launch and its loads of what the one before does not write (the state tiles, the
-    gate) overlap that kernel's tail; the conv itself waits for the whole stream, unless
-    ``early_start`` (see ``fused_decode``). ``conv_config``, ``decode_config``: the
-    kernels' launch configs (sweeps)."""
+    gate) overlap that kernel's tail; the conv itself waits for the whole stream.
+    ``conv_config``, ``decode_config``: the kernels' launch configs (sweeps)."""
     B, HV, V, K = qkv.shape[0], *state.shape[1:]
     pdl = pdl_available(qkv.device) if pdl is None else pdl
     has_norm = norm_weight is not None
     mixed = causal_conv1d_update_triton(qkv, conv_state, conv_weight, slot_indices, torch.empty_like(qkv),
-                                        bias=conv_bias, config=conv_config, launch_dependents=pdl,
-                                        early_start=pdl and early_start)
+                                        bias=conv_bias, config=conv_config, launch_dependents=pdl)
     o = torch.empty(out.shape, dtype=out.dtype, device=out.device) if has_norm else out
     packed_decode_triton(mixed, a, b, A_log, dt_bias, state, slot_indices, o, scale=scale, use_qk_l2norm=True,
                          lower_bound=lower_bound, wait_for_qkv=pdl,
@@ -260,13 +258,11 @@ def _unfused_chain(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, state, sl
 
 @register("fused_decode", "triton")
 def fused_decode_triton(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, state, slot_indices, out, *,
-                        conv_bias, scale, lower_bound, norm_gate, norm_weight, norm_eps, early_start=False,
-                        config=None, pdl=None):
+                        conv_bias, scale, lower_bound, norm_gate, norm_weight, norm_eps, config=None, pdl=None):
     """``config = (BLOCK_V, V_TILES, num_warps)`` runs the one-kernel step with that launch
     config (sweeps): each program streams V_TILES tiles of BLOCK_V rows, as many programs
     per head as cover V; ``config = "chain"`` the unfused chain. ``pdl`` (default
-    ``pdl_available``): the chain's later kernels start while the one before ends;
-    ``early_start`` (with ``pdl``): its first kernel too (see ``fused_decode``)."""
+    ``pdl_available``): the chain's later kernels start while the one before ends."""
     B = qkv.shape[0]
     _, HV, V, K = state.shape
     H = reference.infer_packed_heads(qkv.shape[1], HV, V, K)
@@ -277,7 +273,7 @@ def fused_decode_triton(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, stat
     if plan == "chain":
         return _unfused_chain(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, state, slot_indices, out,
                               conv_bias=conv_bias, scale=scale, lower_bound=lower_bound, norm_gate=norm_gate,
-                              norm_weight=norm_weight, norm_eps=norm_eps, pdl=pdl, early_start=early_start)
+                              norm_weight=norm_weight, norm_eps=norm_eps, pdl=pdl)
     has_norm = norm_weight is not None
     block_v, v_tiles, num_warps = plan
     v_tiles = min(v_tiles, triton.cdiv(V, block_v))  # no program streams tiles past V
@@ -302,7 +298,7 @@ def fused_decode_triton(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, stat
 
 @register("fused_decode", "reference")
 def fused_decode_reference(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, state, slot_indices, out, *,
-                           conv_bias, scale, lower_bound, norm_gate, norm_weight, norm_eps, early_start=False):
+                           conv_bias, scale, lower_bound, norm_gate, norm_weight, norm_eps):
     return reference.fused_decode(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, state, slot_indices, out,
                                   conv_bias=conv_bias, scale=scale, lower_bound=lower_bound, norm_gate=norm_gate,
                                   norm_weight=norm_weight, norm_eps=norm_eps)
@@ -310,7 +306,7 @@ def fused_decode_reference(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, s
 
 def fused_decode(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, state, slot_indices, *, conv_bias=None,
                  scale=None, lower_bound=None, norm_gate=None, norm_weight=None, norm_eps=1e-6, out=None,
-                 early_start=False, backend=None, full_checks=None):
+                 backend=None, full_checks=None):
     """One decode token for ``B`` requests: conv + L2 norm + gate + recurrence (+ gated RMSNorm).
 
     ``qkv [B, 2*H*K + HV*V]`` pre-conv projection; ``conv_weight [C, W]`` (and
@@ -320,13 +316,6 @@ def fused_decode(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, state, slot
     ``norm_gate [B, HV*V]`` with ``norm_weight [V]`` float32 turn on the output norm.
     ``scale`` defaults to ``K ** -0.5``; ``lower_bound`` selects the safe gate.
     Returns ``out [B, 1, HV, V]`` (allocated in ``qkv``'s dtype when not given).
-
-    ``early_start=True`` (Hopper and later; ignored elsewhere): the step's first kernel is a
-    programmatic dependent launch of the kernel before it on the stream, so it reads
-    ``slot_indices``, the conv windows and ``conv_weight``/``conv_bias`` while that kernel
-    ends, and everything else after it completes. Only for streams where the kernel just
-    before this call writes none of those (an input projection writing ``qkv``, ``a``,
-    ``b`` is fine; a kernel that fills ``slot_indices`` or commits into ``conv_state`` is not).
     """
     if out is None:
         out = (qkv.new_empty(qkv.shape[0], 1, state.shape[1], state.shape[2])
@@ -338,9 +327,9 @@ def fused_decode(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, state, slot
     if torch.compiler.is_compiling() or type(qkv) is not torch.Tensor:  # traced: kdakit/custom_ops.py
         torch.ops.kdakit.fused_decode(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, state, slot_indices, out,
                                       conv_bias, float(scale), None if lower_bound is None else float(lower_bound),
-                                      norm_gate, norm_weight, float(norm_eps), bool(early_start), backend)
+                                      norm_gate, norm_weight, float(norm_eps), backend)
         return out
     _, impl = select("fused_decode", qkv.device, backend)
     return impl(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, state, slot_indices, out, conv_bias=conv_bias,
                 scale=scale, lower_bound=lower_bound, norm_gate=norm_gate, norm_weight=norm_weight,
-                norm_eps=norm_eps, early_start=early_start)
+                norm_eps=norm_eps)

@@ -5,7 +5,6 @@ compute the same step (a snapshot verify and a ring commit, say) round alike.
 """
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
@@ -48,25 +47,19 @@ def gated_rmsnorm_rows(o, gate, weight, eps, V: tl.constexpr):
 
 @triton.jit
 def conv_inputs(x_ptrs, win_ptrs, w_ptrs, bias_ptrs, stride_tap, mask, live,
-                W: tl.constexpr, BLOCK_TAPS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                WAIT_BEFORE_X: tl.constexpr = False, LAUNCH_AFTER_WAIT: tl.constexpr = False):
+                W: tl.constexpr, BLOCK_TAPS: tl.constexpr, HAS_BIAS: tl.constexpr):
     """The loads of one token of the causal short conv for a block of channels, apart from
     its arithmetic (``conv_apply``), so a kernel can issue them early.
 
     ``x_ptrs``: the token's inputs; ``win_ptrs``: tap 0 (oldest) of each channel's window,
     taps ``stride_tap`` apart; ``w_ptrs``: each channel's row of a contiguous ``[C, W]``
     float32 weight; ``bias_ptrs`` read only with ``HAS_BIAS``; ``mask``: channel lanes;
-    ``live``: scalar, False for padding rows (no window access). ``WAIT_BEFORE_X``: a
-    programmatic dependent launch that reads the window and weights while the kernel
-    before it ends, and waits for it (``gdc_wait``) before reading the input; with
-    ``LAUNCH_AFTER_WAIT`` the kernel's own dependents may start from then on. Returns the
-    input, the old window, the weights of the window taps, the weight of the input, and
-    the bias.
+    ``live``: scalar, False for padding rows (no window access). Returns the input, the
+    old window, the weights of the window taps, the weight of the input, and the bias.
     """
     taps = tl.arange(0, BLOCK_TAPS)
     tap_mask = mask[:, None] & (taps[None, :] < W - 1)
-    if not WAIT_BEFORE_X:
-        x = tl.load(x_ptrs, mask=mask, other=0.0)
+    x = tl.load(x_ptrs, mask=mask, other=0.0)
     win = tl.load(win_ptrs[:, None] + taps[None, :] * stride_tap, mask=tap_mask & live, other=0.0)
     w_taps = tl.load(w_ptrs[:, None] + taps[None, :], mask=tap_mask, other=0.0)
     w_x = tl.load(w_ptrs + (W - 1), mask=mask, other=0.0)
@@ -74,11 +67,6 @@ def conv_inputs(x_ptrs, win_ptrs, w_ptrs, bias_ptrs, stride_tap, mask, live,
         bias = tl.load(bias_ptrs, mask=mask, other=0.0)
     else:
         bias = tl.zeros_like(w_x)
-    if WAIT_BEFORE_X:
-        gdc_wait()
-        if LAUNCH_AFTER_WAIT:
-            gdc_launch_dependents()
-        x = tl.load(x_ptrs, mask=mask, other=0.0)
     return x, win, w_taps, w_x, bias
 
 
@@ -103,13 +91,12 @@ def conv_apply(x, win, w_taps, w_x, bias, W: tl.constexpr, BLOCK_TAPS: tl.conste
 
 @triton.jit
 def short_conv(x_ptrs, win_ptrs, w_ptrs, bias_ptrs, stride_tap, mask, live,
-               W: tl.constexpr, BLOCK_TAPS: tl.constexpr, HAS_BIAS: tl.constexpr,
-               WAIT_BEFORE_X: tl.constexpr = False, LAUNCH_AFTER_WAIT: tl.constexpr = False):
+               W: tl.constexpr, BLOCK_TAPS: tl.constexpr, HAS_BIAS: tl.constexpr):
     """One token of the causal short conv with SiLU (``conv_inputs`` then ``conv_apply``);
     reads only. Returns the post-conv values in float32 and the old window and the input,
     which ``shift_window`` stores."""
     x, win, w_taps, w_x, bias = conv_inputs(x_ptrs, win_ptrs, w_ptrs, bias_ptrs, stride_tap, mask, live,
-                                            W, BLOCK_TAPS, HAS_BIAS, WAIT_BEFORE_X, LAUNCH_AFTER_WAIT)
+                                            W, BLOCK_TAPS, HAS_BIAS)
     return conv_apply(x, win, w_taps, w_x, bias, W, BLOCK_TAPS, HAS_BIAS), win, x
 
 
@@ -124,11 +111,9 @@ def shift_window(win_ptrs, win, x, stride_tap, mask, store_mask, W: tl.constexpr
 
 @triton.jit
 def short_conv_update(x_ptrs, win_ptrs, w_ptrs, bias_ptrs, stride_tap, mask, live,
-                      W: tl.constexpr, BLOCK_TAPS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      WAIT_BEFORE_X: tl.constexpr = False, LAUNCH_AFTER_WAIT: tl.constexpr = False):
+                      W: tl.constexpr, BLOCK_TAPS: tl.constexpr, HAS_BIAS: tl.constexpr):
     """``short_conv`` with the window shifted in place (channels this program alone owns)."""
-    y, win, x = short_conv(x_ptrs, win_ptrs, w_ptrs, bias_ptrs, stride_tap, mask, live, W, BLOCK_TAPS, HAS_BIAS,
-                           WAIT_BEFORE_X, LAUNCH_AFTER_WAIT)
+    y, win, x = short_conv(x_ptrs, win_ptrs, w_ptrs, bias_ptrs, stride_tap, mask, live, W, BLOCK_TAPS, HAS_BIAS)
     # A window tap may be held by several threads (replicated layouts); every thread must
     # have read the old window before any thread writes the shifted one.
     tl.debug_barrier()
