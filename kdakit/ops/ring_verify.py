@@ -132,10 +132,6 @@ def _ring_verify_state_kernel(
     head = i_n.to(tl.int64) * HV + i_hv
     state_rows = state + slot * stride_state_slot + i_hv * V * K + offs_v[:, None] * K
     x_head = x_rows + (head * T + offs_t)[:, None] * K
-    ONE_CHUNK: tl.constexpr = K_CHUNK >= K
-    if ONE_CHUNK:  # the whole tile loads while the steps kernel ends (it writes no state)
-        offs_c = tl.arange(0, K_CHUNK)
-        S0_tile = tl.load(state_rows + offs_c[None, :], mask=live & mask_v[:, None] & (offs_c < K)[None, :], other=0.0)
     if WAIT_FOR_STEPS:  # x and M come from the steps kernel (and v from the conv before it)
         gdc_wait()
     mask_vt = mask_v[:, None] & mask_t[None, :]
@@ -146,16 +142,12 @@ def _ring_verify_state_kernel(
     M = tl.load(m_rows + (head * T + offs_t)[:, None] * T + offs_t[None, :],
                 mask=live & mask_t[:, None] & mask_t[None, :], other=0.0)
     acc = tl.zeros((BLOCK_V, DOT_T), dtype=tl.float32)
-    if ONE_CHUNK:
-        x = tl.load(x_head + offs_c[None, :], mask=live & mask_t[:, None] & (offs_c < K)[None, :], other=0.0)
-        acc = tl.dot(S0_tile.to(tl.float32), tl.trans(x), acc, input_precision=DOT_PRECISION)
-    else:  # K in chunks through shared memory, NUM_STAGES in flight
-        for k0 in tl.range(0, K, K_CHUNK, num_stages=NUM_STAGES):
-            offs_c = k0 + tl.arange(0, K_CHUNK)
-            mask_c = offs_c < K
-            S0 = tl.load(state_rows + offs_c[None, :], mask=live & mask_v[:, None] & mask_c[None, :], other=0.0)
-            x = tl.load(x_head + offs_c[None, :], mask=live & mask_t[:, None] & mask_c[None, :], other=0.0)
-            acc = tl.dot(S0.to(tl.float32), tl.trans(x), acc, input_precision=DOT_PRECISION)
+    for k0 in tl.range(0, K, K_CHUNK, num_stages=NUM_STAGES):
+        offs_c = k0 + tl.arange(0, K_CHUNK)
+        mask_c = offs_c < K
+        S0 = tl.load(state_rows + offs_c[None, :], mask=live & mask_v[:, None] & mask_c[None, :], other=0.0)
+        x = tl.load(x_head + offs_c[None, :], mask=live & mask_t[:, None] & mask_c[None, :], other=0.0)
+        acc = tl.dot(S0.to(tl.float32), tl.trans(x), acc, input_precision=DOT_PRECISION)
     o = tl.dot(vT.to(tl.float32), tl.trans(M), acc, input_precision=DOT_PRECISION)
     tl.store(out + (tok * HV + i_hv)[None, :] * V + offs_v[:, None], o.to(out.dtype.element_ty), mask=mask_vt)
 
@@ -201,12 +193,11 @@ def ring_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, out, rings, 
         num_warps=steps_warps(T), num_stages=1, launch_pdl=wait_for_tokens and pdl)
     block_v, num_warps = STATE_TILE
     block_v = max(16, min(block_v, triton.next_power_of_2(V)))
-    num_warps = num_warps if block_v >= 16 * num_warps else max(1, block_v // 16)
     _ring_verify_state(
         (triton.cdiv(V, block_v), HV, N),
         (state, v, slot_indices, x_rows, m_rows, out, ring_v, state.stride(0), ring_v.stride(0), ring_v.shape[2]),
         dict(T=T, HV=HV, K=K, V=V, DOT_T=max(16, triton.next_power_of_2(T)), BLOCK_V=block_v,
              K_CHUNK=max(16, min(K_CHUNK, triton.next_power_of_2(K))), NUM_STAGES=NUM_STAGES,
              DOT_PRECISION=DOT_PRECISION, WAIT_FOR_STEPS=pdl, LAUNCH_DEPENDENTS=launch_dependents and pdl),
-        num_warps=num_warps, num_stages=1, launch_pdl=pdl)
+        num_warps=num_warps if block_v >= 64 else 4, num_stages=1, launch_pdl=pdl)
     return out
