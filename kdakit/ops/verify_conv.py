@@ -31,38 +31,58 @@ def _conv_inputs(x, stride_x_t, window, stride_win_c, stride_win_w, ch, mask, li
 
 @triton.jit
 def _conv_silu_steps(x, stride_x_t, window, stride_win_c, stride_win_w, weight, bias, ch, mask, live,
-                     dst, stride_dst_t, T, W: tl.constexpr, BLOCK_T: tl.constexpr, HAS_BIAS: tl.constexpr):
+                     T, W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_TAPS: tl.constexpr, HAS_BIAS: tl.constexpr):
     """[BLOCK_T, channels] SiLU(conv) of every step at once, all loads in flight together,
     taps summed oldest first as the unfused conv kernel sums them (triton_math.short_conv).
-    Taps 1 .. W-1 of step t are the window after step t: they are stored as they are read
-    (into contiguous [C, W-1] blocks of ``dst``; none for a padding row, not ``live``)."""
+    The weights are read as one contiguous [channels, taps] tile (a strided read per tap
+    fetched each sector several times over) and each tap's column picked out exactly."""
     pos = tl.arange(0, BLOCK_T)[:, None]
+    taps = tl.arange(0, BLOCK_TAPS)
+    w_tile = tl.load(weight + ch[:, None] * W + taps[None, :], mask=mask[:, None] & (taps < W)[None, :], other=0.0)
     acc = tl.zeros_like(pos.to(tl.float32) + ch[None, :].to(tl.float32))
     for j in tl.static_range(W):
-        w = tl.load(weight + ch * W + j, mask=mask, other=0.0)
+        w = tl.sum(tl.where(taps[None, :] == j, w_tile, 0.0), axis=1)
         tap = _conv_inputs(x, stride_x_t, window, stride_win_c, stride_win_w, ch, mask, live, pos + j, T, W)
         acc += w[None, :] * tap
-        if j >= 1:
-            tl.store(dst + pos * stride_dst_t + ch[None, :] * (W - 1) + (j - 1), tap.to(dst.dtype.element_ty),
-                     mask=(pos < T) & (live & mask)[None, :])
     if HAS_BIAS:
         acc += tl.load(bias + ch, mask=mask, other=0.0)[None, :]
     return acc * tl.sigmoid(acc)
 
 
 @triton.jit
+def _store_windows(x, stride_x_t, window, stride_win_c, stride_win_w, c0, C, live, dst, stride_dst_t, T,
+                   W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_F: tl.constexpr):
+    """The windows after each step of channels c0 .. c0 + BLOCK_C, as the contiguous runs
+    they are in ``dst`` ([C, W-1] per step): flat element f is tap f % (W-1) of channel
+    f // (W-1), position t + 1 + tap of [window, x_0, x_1, ...] (the loads hit the lines
+    the conv just read; the stores are whole runs, where per-tap stores wrote every sector
+    W-1 times in part)."""
+    pos = tl.arange(0, BLOCK_T)[:, None]
+    f = tl.arange(0, BLOCK_F)
+    c = c0 + f // (W - 1)
+    valid = (f < BLOCK_C * (W - 1)) & (c < C)
+    src = pos + 1 + (f % (W - 1))[None, :]
+    vals = _conv_inputs(x, stride_x_t, window, stride_win_c, stride_win_w, c, valid, live, src, T, W)
+    tl.store(dst + pos * stride_dst_t + c0 * (W - 1) + f[None, :], vals.to(dst.dtype.element_ty),
+             mask=(pos < T) & (valid & live)[None, :])
+
+
+@triton.jit
 def _conv_part(x, window, weight, bias, inter, post, s_win_slot, s_win_c, s_win_w, s_inter_row, s_inter_t,
                slot, row, live, n64, i_c, C: tl.constexpr, T: tl.constexpr, W: tl.constexpr,
-               BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, HAS_BIAS: tl.constexpr):
+               BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_TAPS: tl.constexpr, BLOCK_F: tl.constexpr,
+               HAS_BIAS: tl.constexpr):
     ch = i_c * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = ch < C
     x_n = x + n64 * T * C                      # this request's token 0, channel 0
     win = window + slot * s_win_slot
-    y = _conv_silu_steps(x_n, C, win, s_win_c, s_win_w, weight, bias, ch, mask, live, inter + row * s_inter_row,
-                         s_inter_t, T, W, BLOCK_T, HAS_BIAS)
+    y = _conv_silu_steps(x_n, C, win, s_win_c, s_win_w, weight, bias, ch, mask, live, T, W, BLOCK_T, BLOCK_TAPS,
+                         HAS_BIAS)
     steps = tl.arange(0, BLOCK_T)
     tl.store(post + (n64 * T + steps[:, None]) * C + ch[None, :], y.to(post.dtype.element_ty),
              mask=(steps < T)[:, None] & mask[None, :])
+    _store_windows(x_n, C, win, s_win_c, s_win_w, i_c * BLOCK_C, C, live, inter + row * s_inter_row, s_inter_t, T,
+                   W, BLOCK_T, BLOCK_C, BLOCK_F)
 
 
 @triton.jit
@@ -72,7 +92,8 @@ def _verify_conv_kernel(
     s_csq_slot, s_csq_c, s_csq_w, s_csk_slot, s_csk_c, s_csk_w, s_csv_slot, s_csv_c, s_csv_w,
     s_icq_row, s_icq_t, s_ick_row, s_ick_t, s_icv_row, s_icv_t,
     C_QK: tl.constexpr, C_V: tl.constexpr, T: tl.constexpr, W: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, HAS_BIAS: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_TAPS: tl.constexpr, BLOCK_F: tl.constexpr,
+    HAS_BIAS: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
 ):
     # One program: BLOCK_C channels of q, k or v (program_id 2) of one request, all steps.
     # A padding row (slot < 0) reads no window and writes none; its post-conv tokens are
@@ -86,13 +107,13 @@ def _verify_conv_kernel(
     n64 = i_n.to(tl.int64)
     if part == 0:
         _conv_part(x_q, cs_q, w_q, bias_q, ic_q, post_q, s_csq_slot, s_csq_c, s_csq_w, s_icq_row, s_icq_t,
-                   slot, row, live, n64, i_c, C_QK, T, W, BLOCK_T, BLOCK_C, HAS_BIAS)
+                   slot, row, live, n64, i_c, C_QK, T, W, BLOCK_T, BLOCK_C, BLOCK_TAPS, BLOCK_F, HAS_BIAS)
     elif part == 1:
         _conv_part(x_k, cs_k, w_k, bias_k, ic_k, post_k, s_csk_slot, s_csk_c, s_csk_w, s_ick_row, s_ick_t,
-                   slot, row, live, n64, i_c, C_QK, T, W, BLOCK_T, BLOCK_C, HAS_BIAS)
+                   slot, row, live, n64, i_c, C_QK, T, W, BLOCK_T, BLOCK_C, BLOCK_TAPS, BLOCK_F, HAS_BIAS)
     else:
         _conv_part(x_v, cs_v, w_v, bias_v, ic_v, post_v, s_csv_slot, s_csv_c, s_csv_w, s_icv_row, s_icv_t,
-                   slot, row, live, n64, i_c, C_V, T, W, BLOCK_T, BLOCK_C, HAS_BIAS)
+                   slot, row, live, n64, i_c, C_V, T, W, BLOCK_T, BLOCK_C, BLOCK_TAPS, BLOCK_F, HAS_BIAS)
 
 
 _verify_conv = CachedKernel(_verify_conv_kernel)
@@ -112,12 +133,14 @@ def verify_conv(q, k, v, conv_weights, conv_bias, conv_states, intermediate_conv
     HV, V = v.shape[2:]
     post = tuple(torch.empty_like(t) for t in (q, k, v))
     bias = conv_bias if conv_bias is not None else conv_weights
+    W = conv_weights[0].shape[1]
     _verify_conv(
         (triton.cdiv(max(H * K, HV * V), BLOCK_C), N, 3),
         (q, k, v, *conv_weights, *bias, *conv_states, *intermediate_conv, *post, slot_indices, scratch_indices,
          *(cs.stride(d) for cs in conv_states for d in (0, 1, 2)),
          *(ic.stride(d) for ic in intermediate_conv for d in (0, 1))),
-        dict(C_QK=H * K, C_V=HV * V, T=T, W=conv_weights[0].shape[1], BLOCK_T=triton.next_power_of_2(T),
-             BLOCK_C=BLOCK_C, HAS_BIAS=conv_bias is not None, LAUNCH_DEPENDENTS=bool(launch_dependents)),
+        dict(C_QK=H * K, C_V=HV * V, T=T, W=W, BLOCK_T=triton.next_power_of_2(T), BLOCK_C=BLOCK_C,
+             BLOCK_TAPS=triton.next_power_of_2(W), BLOCK_F=triton.next_power_of_2(BLOCK_C * (W - 1)),
+             HAS_BIAS=conv_bias is not None, LAUNCH_DEPENDENTS=bool(launch_dependents)),
         num_warps=NUM_WARPS, num_stages=1)
     return post
