@@ -282,11 +282,14 @@ def commit_sweep(results, tiles_per_program, batches):
 
 def conv_sweep(results, variants, batches):
     """Verify with the short conv (ring and snapshot) for each conv prologue config
-    "<channels per program>x<warps>" (kdakit/ops/verify_conv.py), checked first."""
+    "<channels per program>x<warps>[:wr0|:wr1]" (kdakit/ops/verify_conv.py), checked first."""
     from kdakit.ops import verify_conv as verify_conv_module
     for variant in variants:
-        block_c, warps = (int(x) for x in variant.split("x"))
+        tile, *flags = variant.split(":")
+        block_c, warps = (int(x) for x in tile.split("x"))
         verify_conv_module.BLOCK_C, verify_conv_module.NUM_WARPS = block_c, warps
+        # "wr0" / "wr1": windows stored per tap / as whole runs at every T (default: the rule)
+        verify_conv_module.WINDOW_RUNS = {"wr0": False, "wr1": True}.get(flags[0]) if flags else None
         correctness(results, tag=f"-conv{variant}")
         for num_spec in (1, 3, 7):
             for N in batches:

@@ -5,7 +5,8 @@ V-tile program of the head (16 at K = V = 128) and the chain's loads queue behin
 run here once per channel, it writes the post-conv q, k, v of every step (rounded to the
 activation dtype, exactly as the fused path and an unfused conv round them) and the
 windows after each step, and the recurrence reads the post-conv tokens like inputs that
-came already convolved.
+came already convolved. From 8 steps on, the windows are stored as whole contiguous runs
+(``_store_windows``) rather than tap by tap.
 """
 from __future__ import annotations
 
@@ -31,19 +32,21 @@ def _conv_inputs(x, stride_x_t, window, stride_win_c, stride_win_w, ch, mask, li
 
 @triton.jit
 def _conv_silu_steps(x, stride_x_t, window, stride_win_c, stride_win_w, weight, bias, ch, mask, live,
-                     T, W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_TAPS: tl.constexpr, HAS_BIAS: tl.constexpr):
+                     dst, stride_dst_t,
+                     T, W: tl.constexpr, BLOCK_T: tl.constexpr, HAS_BIAS: tl.constexpr, WINDOW_RUNS: tl.constexpr):
     """[BLOCK_T, channels] SiLU(conv) of every step at once, all loads in flight together,
     taps summed oldest first as the unfused conv kernel sums them (triton_math.short_conv).
-    The weights are read as one contiguous [channels, taps] tile (a strided read per tap
-    fetched each sector several times over) and each tap's column picked out exactly."""
+    Without WINDOW_RUNS, taps 1 .. W-1 of step t are stored as they are read: they are the
+    window after step t (into the [C, W-1] blocks of ``dst``; none for a padding row)."""
     pos = tl.arange(0, BLOCK_T)[:, None]
-    taps = tl.arange(0, BLOCK_TAPS)
-    w_tile = tl.load(weight + ch[:, None] * W + taps[None, :], mask=mask[:, None] & (taps < W)[None, :], other=0.0)
     acc = tl.zeros_like(pos.to(tl.float32) + ch[None, :].to(tl.float32))
     for j in tl.static_range(W):
-        w = tl.sum(tl.where(taps[None, :] == j, w_tile, 0.0), axis=1)
+        w = tl.load(weight + ch * W + j, mask=mask, other=0.0)
         tap = _conv_inputs(x, stride_x_t, window, stride_win_c, stride_win_w, ch, mask, live, pos + j, T, W)
         acc += w[None, :] * tap
+        if not WINDOW_RUNS and j >= 1:
+            tl.store(dst + pos * stride_dst_t + ch[None, :] * (W - 1) + (j - 1), tap.to(dst.dtype.element_ty),
+                     mask=(pos < T) & (live & mask)[None, :])
     if HAS_BIAS:
         acc += tl.load(bias + ch, mask=mask, other=0.0)[None, :]
     return acc * tl.sigmoid(acc)
@@ -70,19 +73,20 @@ def _store_windows(x, stride_x_t, window, stride_win_c, stride_win_w, c0, C, liv
 @triton.jit
 def _conv_part(x, window, weight, bias, inter, post, s_win_slot, s_win_c, s_win_w, s_inter_row, s_inter_t,
                slot, row, live, n64, i_c, C: tl.constexpr, T: tl.constexpr, W: tl.constexpr,
-               BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_TAPS: tl.constexpr, BLOCK_F: tl.constexpr,
-               HAS_BIAS: tl.constexpr):
+               BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_F: tl.constexpr, HAS_BIAS: tl.constexpr,
+               WINDOW_RUNS: tl.constexpr):
     ch = i_c * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = ch < C
     x_n = x + n64 * T * C                      # this request's token 0, channel 0
     win = window + slot * s_win_slot
-    y = _conv_silu_steps(x_n, C, win, s_win_c, s_win_w, weight, bias, ch, mask, live, T, W, BLOCK_T, BLOCK_TAPS,
-                         HAS_BIAS)
+    y = _conv_silu_steps(x_n, C, win, s_win_c, s_win_w, weight, bias, ch, mask, live, inter + row * s_inter_row,
+                         s_inter_t, T, W, BLOCK_T, HAS_BIAS, WINDOW_RUNS)
     steps = tl.arange(0, BLOCK_T)
     tl.store(post + (n64 * T + steps[:, None]) * C + ch[None, :], y.to(post.dtype.element_ty),
              mask=(steps < T)[:, None] & mask[None, :])
-    _store_windows(x_n, C, win, s_win_c, s_win_w, i_c * BLOCK_C, C, live, inter + row * s_inter_row, s_inter_t, T,
-                   W, BLOCK_T, BLOCK_C, BLOCK_F)
+    if WINDOW_RUNS:
+        _store_windows(x_n, C, win, s_win_c, s_win_w, i_c * BLOCK_C, C, live, inter + row * s_inter_row, s_inter_t,
+                       T, W, BLOCK_T, BLOCK_C, BLOCK_F)
 
 
 @triton.jit
@@ -92,8 +96,8 @@ def _verify_conv_kernel(
     s_csq_slot, s_csq_c, s_csq_w, s_csk_slot, s_csk_c, s_csk_w, s_csv_slot, s_csv_c, s_csv_w,
     s_icq_row, s_icq_t, s_ick_row, s_ick_t, s_icv_row, s_icv_t,
     C_QK: tl.constexpr, C_V: tl.constexpr, T: tl.constexpr, W: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_TAPS: tl.constexpr, BLOCK_F: tl.constexpr,
-    HAS_BIAS: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_F: tl.constexpr,
+    HAS_BIAS: tl.constexpr, WINDOW_RUNS: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
 ):
     # One program: BLOCK_C channels of q, k or v (program_id 2) of one request, all steps.
     # A padding row (slot < 0) reads no window and writes none; its post-conv tokens are
@@ -107,21 +111,31 @@ def _verify_conv_kernel(
     n64 = i_n.to(tl.int64)
     if part == 0:
         _conv_part(x_q, cs_q, w_q, bias_q, ic_q, post_q, s_csq_slot, s_csq_c, s_csq_w, s_icq_row, s_icq_t,
-                   slot, row, live, n64, i_c, C_QK, T, W, BLOCK_T, BLOCK_C, BLOCK_TAPS, BLOCK_F, HAS_BIAS)
+                   slot, row, live, n64, i_c, C_QK, T, W, BLOCK_T, BLOCK_C, BLOCK_F, HAS_BIAS, WINDOW_RUNS)
     elif part == 1:
         _conv_part(x_k, cs_k, w_k, bias_k, ic_k, post_k, s_csk_slot, s_csk_c, s_csk_w, s_ick_row, s_ick_t,
-                   slot, row, live, n64, i_c, C_QK, T, W, BLOCK_T, BLOCK_C, BLOCK_TAPS, BLOCK_F, HAS_BIAS)
+                   slot, row, live, n64, i_c, C_QK, T, W, BLOCK_T, BLOCK_C, BLOCK_F, HAS_BIAS, WINDOW_RUNS)
     else:
         _conv_part(x_v, cs_v, w_v, bias_v, ic_v, post_v, s_csv_slot, s_csv_c, s_csv_w, s_icv_row, s_icv_t,
-                   slot, row, live, n64, i_c, C_V, T, W, BLOCK_T, BLOCK_C, BLOCK_TAPS, BLOCK_F, HAS_BIAS)
+                   slot, row, live, n64, i_c, C_V, T, W, BLOCK_T, BLOCK_C, BLOCK_F, HAS_BIAS, WINDOW_RUNS)
 
 
 _verify_conv = CachedKernel(_verify_conv_kernel)
 
 # Channels per program and warps: [steps, BLOCK_C] tiles; a benchmark sweep may set them
-# (bench_mtp.py --conv-sweep).
-BLOCK_C = 128
-NUM_WARPS = 4
+# (bench_mtp.py --conv-sweep). 64 channels on 2 warps and 128 on 4 tied from 2 to 4 steps;
+# 64 on 2 was 7% faster at 8 (results/mtp_conv_coalesced_ab_h200.json).
+BLOCK_C = 64
+NUM_WARPS = 2
+# The windows after each step stored as whole runs (``_store_windows``) from this many steps,
+# per tap below: ring verify with the conv at N = 64, 8 steps 135-145 us against 160-162,
+# but 2 and 4 steps 5-8% slower (results/mtp_conv_coalesced_ab_h200.json). None: the rule.
+WINDOW_RUNS = None
+WINDOW_RUNS_FROM_STEPS = 8
+
+
+def window_runs(T: int) -> bool:
+    return WINDOW_RUNS if WINDOW_RUNS is not None else T >= WINDOW_RUNS_FROM_STEPS
 
 
 def verify_conv(q, k, v, conv_weights, conv_bias, conv_states, intermediate_conv, slot_indices, scratch_indices, *,
@@ -140,7 +154,8 @@ def verify_conv(q, k, v, conv_weights, conv_bias, conv_states, intermediate_conv
          *(cs.stride(d) for cs in conv_states for d in (0, 1, 2)),
          *(ic.stride(d) for ic in intermediate_conv for d in (0, 1))),
         dict(C_QK=H * K, C_V=HV * V, T=T, W=W, BLOCK_T=triton.next_power_of_2(T), BLOCK_C=BLOCK_C,
-             BLOCK_TAPS=triton.next_power_of_2(W), BLOCK_F=triton.next_power_of_2(BLOCK_C * (W - 1)),
-             HAS_BIAS=conv_bias is not None, LAUNCH_DEPENDENTS=bool(launch_dependents)),
+             BLOCK_F=triton.next_power_of_2(BLOCK_C * (W - 1)), HAS_BIAS=conv_bias is not None,
+             WINDOW_RUNS=window_runs(T),
+             LAUNCH_DEPENDENTS=bool(launch_dependents)),
         num_warps=NUM_WARPS, num_stages=1)
     return post
