@@ -253,13 +253,17 @@ def ring_sweep(results, variants, batches):
                     torch.cuda.empty_cache()
 
 
-def commit_sweep(results, tiles_per_program, batches):
-    """The ring commit with each number of tiles per program (kdakit/ops/commit.py
-    COMMIT_TILES) on the same verified layers, after the bitwise checks of each."""
+def commit_sweep(results, variants, batches):
+    """The ring commit per variant "<tiles per program>[:<steps ahead>]" (kdakit/ops/commit.py
+    COMMIT_TILES, COMMIT_STEPS_AHEAD) on the same verified layers, after the bitwise checks of each."""
     from kdakit.ops import commit as commit_module
-    for tiles in tiles_per_program:
-        commit_module.COMMIT_TILES = tiles
-        commit_bitwise_checks(results, tag=f"-tiles{tiles}")
+
+    def use(variant):
+        tiles, *ahead = (int(x) for x in variant.split(":"))
+        commit_module.COMMIT_TILES, commit_module.COMMIT_STEPS_AHEAD = tiles, ahead[0] if ahead else 1
+    for variant in variants:
+        use(variant)
+        commit_bitwise_checks(results, tag=f"-tiles{variant}")
     for num_spec in (1, 3, 7):
         T = 1 + num_spec
         for N in batches:
@@ -269,13 +273,13 @@ def commit_sweep(results, tiles_per_program, batches):
             for L in layers:
                 verify_call(L)()
             accept = [torch.randint(1, T + 1, (N,), device="cuda", dtype=torch.int32) for _ in layers]
-            for tiles in tiles_per_program:
-                commit_module.COMMIT_TILES = tiles
+            for variant in variants:
+                use(variant)
                 t = harness.graph_time_us([
                     (lambda L=L, acc=acc: kdakit.commit_ring(L["state"], *L["rings"], L["slots"], acc))
                     for L, acc in zip(layers, accept)])
-                results["rows"].append(harness.row(f"commit-ring-tiles{tiles}", t, moved, results["copy_ceiling_GBps"],
-                                                   num_spec=num_spec, N=N, layers=nl))
+                results["rows"].append(harness.row(f"commit-ring-tiles{variant}", t, moved,
+                                                   results["copy_ceiling_GBps"], num_spec=num_spec, N=N, layers=nl))
             del layers
             torch.cuda.empty_cache()
 
@@ -312,8 +316,8 @@ def main():
                              "<tf32x3|tf32|ieee>:<BVxwarps>:<k_chunk>:<stages>[:<steps warps>]")
     parser.add_argument("--conv-sweep", type=lambda x: x.split(","), default=None,
                         help="time only the verifies with the conv, per conv prologue config <channels>x<warps>")
-    parser.add_argument("--commit-tiles", type=lambda x: tuple(int(n) for n in x.split(",")), default=None,
-                        help="time only the ring commit, per number of tiles a program folds (COMMIT_TILES)")
+    parser.add_argument("--commit-tiles", type=lambda x: x.split(","), default=None,
+                        help="time only the ring commit, per variant <tiles a program folds>[:<steps ahead>]")
     parser.add_argument("--name", default="mtp_h200")
     args = parser.parse_args()
     results = harness.new_results()

@@ -31,19 +31,29 @@ def _load_ring_step(p_k, p_v, p_g, p_b, t, live, mask_k, mask_v, K: tl.constexpr
 
 @triton.jit
 def _fold_ring_steps(S, p_k, p_v, p_g, p_b, num_steps, mask_k, mask_v, track_ptrs, track_mask, track_step,
-                     K: tl.constexpr, V: tl.constexpr, USE_QK_L2NORM: tl.constexpr, TRACK: tl.constexpr):
-    """Fold ``num_steps`` ring steps into the tile S. Each step's ring rows are loaded, and
-    its k normalised, while the step before folds: the norm's reduction is off the chain
-    of state updates. The rows are 1-D exactly as the verify kernel reads its inputs (the
-    same register layout of k, so its L2 norm rounds alike and the replayed state equals
-    the verify's snapshot bitwise)."""
+                     K: tl.constexpr, V: tl.constexpr, USE_QK_L2NORM: tl.constexpr, TRACK: tl.constexpr,
+                     STEPS_AHEAD: tl.constexpr):
+    """Fold ``num_steps`` ring steps into the tile S. Each step's ring rows are loaded
+    STEPS_AHEAD (1 or 2) steps before it folds, and its k normalised while the step before
+    folds: the loads' latency and the norm's reduction stay off the chain of state updates.
+    The rows are 1-D exactly as the verify kernel reads its inputs (the same register
+    layout of k, so its L2 norm rounds alike and the replayed state equals the verify's
+    snapshot bitwise)."""
     k_n, v_n, g_n, beta_n = _load_ring_step(p_k, p_v, p_g, p_b, 0, num_steps > 0, mask_k, mask_v, K, V)
+    if STEPS_AHEAD == 2:
+        k_nn, v_nn, g_nn, beta_nn = _load_ring_step(p_k, p_v, p_g, p_b, 1, num_steps > 1, mask_k, mask_v, K, V)
     if USE_QK_L2NORM:
         k_n = l2_normalize(k_n)
     t = 0
     while t < num_steps:  # a loaded bound: `while` runs in the interpreter and compiled alike
         k_t, v_t, g_t, beta_t = k_n, v_n, g_n, beta_n
-        k_n, v_n, g_n, beta_n = _load_ring_step(p_k, p_v, p_g, p_b, t + 1, t + 1 < num_steps, mask_k, mask_v, K, V)
+        if STEPS_AHEAD == 2:
+            k_n, v_n, g_n, beta_n = k_nn, v_nn, g_nn, beta_nn
+            k_nn, v_nn, g_nn, beta_nn = _load_ring_step(p_k, p_v, p_g, p_b, t + 2, t + 2 < num_steps, mask_k,
+                                                        mask_v, K, V)
+        else:
+            k_n, v_n, g_n, beta_n = _load_ring_step(p_k, p_v, p_g, p_b, t + 1, t + 1 < num_steps, mask_k, mask_v,
+                                                    K, V)
         S = delta_rule_update(S, k_t, v_t, g_t, beta_t)
         if TRACK:
             tl.store(track_ptrs, S.to(track_ptrs.dtype.element_ty), mask=track_mask & (t == track_step))
@@ -59,8 +69,8 @@ def _commit_ring_kernel(
     s_state_layer, s_state_slot, s_rk_layer, s_rk_slot, s_rv_layer, s_rv_slot, s_rg_layer, s_rg_slot,
     s_rb_layer, s_rb_slot, ring_len, null_block_id,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, TILES: tl.constexpr, USE_QK_L2NORM: tl.constexpr,
-    TRACK: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, TILES: tl.constexpr, STEPS_AHEAD: tl.constexpr,
+    USE_QK_L2NORM: tl.constexpr, TRACK: tl.constexpr,
 ):
     # Same tile shape and the same device functions as the verify kernel, so the
     # replayed state rounds exactly like the verify's snapshot of the same step. A program
@@ -104,7 +114,7 @@ def _commit_ring_kernel(
                              mask=active & ((offs_next < V)[:, None] & mask_k[None, :]), other=0.0)
         S = _fold_ring_steps(S, p_k, p_v_head + offs_v, p_g, p_b, num_steps, mask_k, mask_v,
                              head + track_slot * s_state_slot + tile, mask_s & track_live, track_step,
-                             K, V, USE_QK_L2NORM, TRACK)
+                             K, V, USE_QK_L2NORM, TRACK, STEPS_AHEAD)
         tl.store(head + slot * s_state_slot + tile, S.to(state.dtype.element_ty), mask=mask_s)
 
 
@@ -151,6 +161,11 @@ def commit_tiles(ring_len: int) -> int:
     return 2 if ring_len >= 4 else 1
 
 
+# How many steps ahead the ring commit loads each step's ring rows (1 or 2); a benchmark
+# sweep may set it (bench_mtp.py --commit-tiles <tiles>:<steps ahead>).
+COMMIT_STEPS_AHEAD = 1
+
+
 @register("commit_ring", "triton")
 def commit_ring_triton(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, accept_lens, *, track_slots,
                        track_steps, use_qk_l2norm, null_block_id):
@@ -175,7 +190,8 @@ def commit_ring_triton(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, a
         ring_g.stride(0) if layered else 0, ring_g.stride(1), ring_beta.stride(0) if layered else 0,
         ring_beta.stride(1), ring_len, int(null_block_id)),
         dict(H=H, HV=HV, K=K, V=V, BLOCK_K=triton.next_power_of_2(K),
-             BLOCK_V=block_v, TILES=tiles, USE_QK_L2NORM=bool(use_qk_l2norm), TRACK=track), num_warps=num_warps, num_stages=1)
+             BLOCK_V=block_v, TILES=tiles, STEPS_AHEAD=COMMIT_STEPS_AHEAD, USE_QK_L2NORM=bool(use_qk_l2norm),
+             TRACK=track), num_warps=num_warps, num_stages=1)
 
 
 @register("commit_ring", "reference")
