@@ -99,9 +99,9 @@ def _commit_ring_kernel(
         track_slot = tl.load(track_slots + i_n).to(tl.int64)
         track_step = tl.load(track_steps + i_n).to(tl.int32)
         track_mask = mask_s & (track_slot > null_block_id) & (track_slot >= 0)
-    else:
-        track_slot, track_step, track_mask = slot, steps, mask_s & (slot < 0)  # never stores
-    track_ptrs = state + layer * s_state_layer + track_slot * s_state_slot + tile
+        track_ptrs = state + layer * s_state_layer + track_slot * s_state_slot + tile
+    else:  # never used
+        track_ptrs, track_mask, track_step = s_ptrs, mask_s, steps
     p_k = ring_k + layer * s_rk_layer + slot * s_rk_slot + i_h * ring_len * K + offs_k
     p_v = ring_v + layer * s_rv_layer + slot * s_rv_slot + i_hv * ring_len * V + offs_v
     p_g = ring_g + layer * s_rg_layer + slot * s_rg_slot + i_hv * ring_len * K + offs_k
