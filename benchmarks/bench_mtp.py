@@ -253,13 +253,17 @@ def ring_sweep(results, variants, batches):
                     torch.cuda.empty_cache()
 
 
-def commit_sweep(results, steps_ahead, batches):
-    """The ring commit per number of steps its ring rows load ahead (kdakit/ops/commit.py
-    COMMIT_STEPS_AHEAD) on the same verified layers, after the bitwise checks of each."""
+def commit_sweep(results, variants, batches):
+    """The ring commit per variant "<tiles per program>[:<steps ahead>]" (kdakit/ops/commit.py
+    COMMIT_TILES, COMMIT_STEPS_AHEAD) on the same verified layers, after the bitwise checks of each."""
     from kdakit.ops import commit as commit_module
-    for ahead in steps_ahead:
-        commit_module.COMMIT_STEPS_AHEAD = ahead
-        commit_bitwise_checks(results, tag=f"-ahead{ahead}")
+
+    def use(variant):
+        tiles, *ahead = (int(x) for x in variant.split(":"))
+        commit_module.COMMIT_TILES, commit_module.COMMIT_STEPS_AHEAD = tiles, ahead[0] if ahead else 1
+    for variant in variants:
+        use(variant)
+        commit_bitwise_checks(results, tag=f"-tiles{variant}")
     for num_spec in (1, 3, 7):
         T = 1 + num_spec
         for N in batches:
@@ -269,13 +273,13 @@ def commit_sweep(results, steps_ahead, batches):
             for L in layers:
                 verify_call(L)()
             accept = [torch.randint(1, T + 1, (N,), device="cuda", dtype=torch.int32) for _ in layers]
-            for ahead in steps_ahead:
-                commit_module.COMMIT_STEPS_AHEAD = ahead
+            for variant in variants:
+                use(variant)
                 t = harness.graph_time_us([
                     (lambda L=L, acc=acc: kdakit.commit_ring(L["state"], *L["rings"], L["slots"], acc))
                     for L, acc in zip(layers, accept)])
-                results["rows"].append(harness.row(f"commit-ring-ahead{ahead}", t, moved, results["copy_ceiling_GBps"],
-                                                   num_spec=num_spec, N=N, layers=nl))
+                results["rows"].append(harness.row(f"commit-ring-tiles{variant}", t, moved,
+                                                   results["copy_ceiling_GBps"], num_spec=num_spec, N=N, layers=nl))
             del layers
             torch.cuda.empty_cache()
 
@@ -312,13 +316,13 @@ def main():
                              "<tf32x3|tf32|ieee>:<BVxwarps>:<k_chunk>:<stages>[:<steps warps>]")
     parser.add_argument("--conv-sweep", type=lambda x: x.split(","), default=None,
                         help="time only the verifies with the conv, per conv prologue config <channels>x<warps>")
-    parser.add_argument("--commit-ahead", type=lambda x: tuple(int(n) for n in x.split(",")), default=None,
-                        help="time only the ring commit, per number of steps its ring rows load ahead")
+    parser.add_argument("--commit-tiles", type=lambda x: x.split(","), default=None,
+                        help="time only the ring commit, per variant <tiles a program folds>[:<steps ahead>]")
     parser.add_argument("--name", default="mtp_h200")
     args = parser.parse_args()
     results = harness.new_results()
-    if args.commit_ahead:
-        commit_sweep(results, args.commit_ahead, args.batches or (64, 256))
+    if args.commit_tiles:
+        commit_sweep(results, args.commit_tiles, args.batches or (64, 256))
     elif args.conv_sweep:
         conv_sweep(results, args.conv_sweep, args.batches or (1, 64))
     elif args.ring_sweep:

@@ -265,20 +265,20 @@ def test_ring_verify_on_a_16_bit_state_pool(pool_dtype, form, use_ring_form):
     assert torch.equal(p["state"], before)
 
 
-@pytest.mark.parametrize("tile_bytes,steps_ahead", [(4096, 2), (256, 2), (256, 1), (256, 3)],
-                         ids=["one-tile", "4-row-tiles", "4-row-tiles-commit-1-step-ahead",
-                              "4-row-tiles-commit-3-steps-ahead"])
+@pytest.mark.parametrize("tile_bytes,commit_tiles,steps_ahead", [(4096, 1, 1), (256, 1, 1), (256, 3, 1), (256, 1, 2)],
+                         ids=["one-tile", "4-row-tiles", "4-row-tiles-3-per-commit-program", "commit-2-steps-ahead"])
 @pytest.mark.parametrize("T", [1, 2, 5], ids=lambda t: f"T{t}")
 @pytest.mark.parametrize("form", RING_FORMS)
-def test_snapshot_and_ring_verify_agree_and_ring_commit_is_bitwise(T, tile_bytes, steps_ahead, form, monkeypatch,
-                                                                   use_ring_form):
+def test_snapshot_and_ring_verify_agree_and_ring_commit_is_bitwise(T, tile_bytes, commit_tiles, steps_ahead, form,
+                                                                   monkeypatch, use_ring_form):
     """Snapshot and ring verify (conv prologue kernel, then the recurrence or the chunk form)
     compute the same outputs and windows; a ring commit of any prefix equals the snapshot commit bitwise,
-    whatever tile of state rows the recurrence kernels share and however far ahead the commit loads its rings."""
+    whatever tile of state rows the recurrence kernels share and however many tiles a commit program folds."""
     from kdakit.ops import commit as commit_module
     from kdakit.ops import mtp_verify as mtp_verify_module
     from kdakit.ops.mtp_verify import mtp_verify_triton
     monkeypatch.setattr(mtp_verify_module, "RECURRENCE_TILE_BYTES", tile_bytes)
+    monkeypatch.setattr(commit_module, "COMMIT_TILES", commit_tiles)
     monkeypatch.setattr(commit_module, "COMMIT_STEPS_AHEAD", steps_ahead)
     use_ring_form(form)
     p, d = make_problem(41, act=torch.bfloat16, conv=True, T=T, K=16, V=16, padding=True)
@@ -316,13 +316,17 @@ def test_snapshot_and_ring_verify_agree_and_ring_commit_is_bitwise(T, tile_bytes
     assert torch.equal(snap_state, ring_state), "ring commit must equal snapshot commit bitwise"
 
 
-@pytest.mark.parametrize("steps_ahead", [1, 2, 3], ids=lambda a: f"commit-{a}-ahead")
+@pytest.mark.parametrize("commit_tiles", [1, 4], ids=["tile-per-program", "4-tiles-per-program-2-steps-ahead"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_commit_ring_track_slot_null_block_and_all_layers(backend, steps_ahead, monkeypatch):
+def test_commit_ring_track_slot_null_block_and_all_layers(backend, commit_tiles, monkeypatch):
     from kdakit.ops import commit as commit_module
-    if steps_ahead != 2 and backend == "reference":
-        pytest.skip("a Triton launch parameter")
-    monkeypatch.setattr(commit_module, "COMMIT_STEPS_AHEAD", steps_ahead)
+    from kdakit.ops import mtp_verify as mtp_verify_module
+    if commit_tiles > 1:  # 6 tiles of 4 rows (V = 24): one full program of 4 and one half-masked
+        if backend == "reference":
+            pytest.skip("tiles are a Triton launch parameter")
+        monkeypatch.setattr(mtp_verify_module, "RECURRENCE_TILE_BYTES", 256)
+        monkeypatch.setattr(commit_module, "COMMIT_TILES", commit_tiles)
+        monkeypatch.setattr(commit_module, "COMMIT_STEPS_AHEAD", 2)
     p, d = make_problem(31, conv=False, act=torch.float32, padding=False)
     bufs = fresh_buffers(d, mode="ring")
     kdakit.mtp_verify(p["q"], p["k"], p["v"], p["a"], p["b"], p["A_log"], p["dt_bias"], p["state"],

@@ -34,36 +34,31 @@ def _fold_ring_steps(S, p_k, p_v, p_g, p_b, num_steps, mask_k, mask_v, track_ptr
                      K: tl.constexpr, V: tl.constexpr, USE_QK_L2NORM: tl.constexpr, TRACK: tl.constexpr,
                      STEPS_AHEAD: tl.constexpr):
     """Fold ``num_steps`` ring steps into the tile S. Each step's ring rows are loaded
-    STEPS_AHEAD (1 to 3) steps before it folds, and its k normalised while the step before
-    folds: the loads' latency and the norm's reduction stay off the chain of state updates
-    (one step ahead, a fold waited on every step's rows). The rows are 1-D exactly as the
-    verify kernel reads its inputs (the same register layout of k, so its L2 norm rounds
-    alike and the replayed state equals the verify's snapshot bitwise)."""
-    k_1, v_1, g_1, b_1 = _load_ring_step(p_k, p_v, p_g, p_b, 0, num_steps > 0, mask_k, mask_v, K, V)
-    if STEPS_AHEAD >= 2:
-        k_2, v_2, g_2, b_2 = _load_ring_step(p_k, p_v, p_g, p_b, 1, num_steps > 1, mask_k, mask_v, K, V)
-    if STEPS_AHEAD >= 3:
-        k_3, v_3, g_3, b_3 = _load_ring_step(p_k, p_v, p_g, p_b, 2, num_steps > 2, mask_k, mask_v, K, V)
+    STEPS_AHEAD (1 or 2) steps before it folds, and its k normalised while the step before
+    folds: the loads' latency and the norm's reduction stay off the chain of state updates.
+    The rows are 1-D exactly as the verify kernel reads its inputs (the same register
+    layout of k, so its L2 norm rounds alike and the replayed state equals the verify's
+    snapshot bitwise)."""
+    k_n, v_n, g_n, beta_n = _load_ring_step(p_k, p_v, p_g, p_b, 0, num_steps > 0, mask_k, mask_v, K, V)
+    if STEPS_AHEAD == 2:
+        k_nn, v_nn, g_nn, beta_nn = _load_ring_step(p_k, p_v, p_g, p_b, 1, num_steps > 1, mask_k, mask_v, K, V)
     if USE_QK_L2NORM:
-        k_1 = l2_normalize(k_1)
+        k_n = l2_normalize(k_n)
     t = 0
     while t < num_steps:  # a loaded bound: `while` runs in the interpreter and compiled alike
-        k_t, v_t, g_t, b_t = k_1, v_1, g_1, b_1
-        # the queue of loaded steps moves up one; the step STEPS_AHEAD on is loaded
-        if STEPS_AHEAD == 1:
-            k_1, v_1, g_1, b_1 = _load_ring_step(p_k, p_v, p_g, p_b, t + 1, t + 1 < num_steps, mask_k, mask_v, K, V)
+        k_t, v_t, g_t, beta_t = k_n, v_n, g_n, beta_n
         if STEPS_AHEAD == 2:
-            k_1, v_1, g_1, b_1 = k_2, v_2, g_2, b_2
-            k_2, v_2, g_2, b_2 = _load_ring_step(p_k, p_v, p_g, p_b, t + 2, t + 2 < num_steps, mask_k, mask_v, K, V)
-        if STEPS_AHEAD == 3:
-            k_1, v_1, g_1, b_1 = k_2, v_2, g_2, b_2
-            k_2, v_2, g_2, b_2 = k_3, v_3, g_3, b_3
-            k_3, v_3, g_3, b_3 = _load_ring_step(p_k, p_v, p_g, p_b, t + 3, t + 3 < num_steps, mask_k, mask_v, K, V)
-        S = delta_rule_update(S, k_t, v_t, g_t, b_t)
+            k_n, v_n, g_n, beta_n = k_nn, v_nn, g_nn, beta_nn
+            k_nn, v_nn, g_nn, beta_nn = _load_ring_step(p_k, p_v, p_g, p_b, t + 2, t + 2 < num_steps, mask_k,
+                                                        mask_v, K, V)
+        else:
+            k_n, v_n, g_n, beta_n = _load_ring_step(p_k, p_v, p_g, p_b, t + 1, t + 1 < num_steps, mask_k, mask_v,
+                                                    K, V)
+        S = delta_rule_update(S, k_t, v_t, g_t, beta_t)
         if TRACK:
             tl.store(track_ptrs, S.to(track_ptrs.dtype.element_ty), mask=track_mask & (t == track_step))
         if USE_QK_L2NORM:
-            k_1 = l2_normalize(k_1)
+            k_n = l2_normalize(k_n)
         t += 1
     return S
 
@@ -74,41 +69,53 @@ def _commit_ring_kernel(
     s_state_layer, s_state_slot, s_rk_layer, s_rk_slot, s_rv_layer, s_rv_slot, s_rg_layer, s_rg_slot,
     s_rb_layer, s_rb_slot, ring_len, null_block_id,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, STEPS_AHEAD: tl.constexpr, USE_QK_L2NORM: tl.constexpr,
-    TRACK: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, TILES: tl.constexpr, STEPS_AHEAD: tl.constexpr,
+    USE_QK_L2NORM: tl.constexpr, TRACK: tl.constexpr,
 ):
     # Same tile shape and the same device functions as the verify kernel, so the
-    # replayed state rounds exactly like the verify's snapshot of the same step.
+    # replayed state rounds exactly like the verify's snapshot of the same step. A program
+    # folds TILES tiles of one head in turn, the next tile's state in flight while this
+    # one folds (a tile's fold is a chain of dependent reductions: without the next load
+    # in flight the program moves no bytes while it folds).
     i_v, i_layer_hv, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     layer = (i_layer_hv // HV).to(tl.int64)
     i_hv = i_layer_hv % HV
     i_h = i_hv // (HV // H)
     offs_k = tl.arange(0, BLOCK_K)
-    offs_v = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
     mask_k = offs_k < K
-    mask_v = offs_v < V
     slot = tl.load(slot_indices + i_n).to(tl.int64)
     steps = tl.load(accept_lens + i_n).to(tl.int32)
     active = (slot > null_block_id) & (slot >= 0) & (steps > 0)
     num_steps = tl.minimum(tl.where(active, steps, 0), ring_len)  # never past the ring, even unchecked
-    mask_s = active & (mask_v[:, None] & mask_k[None, :])
-    tile = i_hv * V * K + offs_v[:, None] * K + offs_k[None, :]
-    s_ptrs = state + layer * s_state_layer + slot * s_state_slot + tile
-    S = tl.load(s_ptrs, mask=mask_s, other=0.0).to(tl.float32)
+    head = state + layer * s_state_layer + i_hv * V * K
     if TRACK:
         track_slot = tl.load(track_slots + i_n).to(tl.int64)
         track_step = tl.load(track_steps + i_n).to(tl.int32)
-        track_mask = mask_s & (track_slot > null_block_id) & (track_slot >= 0)
-        track_ptrs = state + layer * s_state_layer + track_slot * s_state_slot + tile
-    else:  # never used
-        track_ptrs, track_mask, track_step = s_ptrs, mask_s, steps
+        track_live = (track_slot > null_block_id) & (track_slot >= 0)
+    else:
+        track_slot, track_step, track_live = slot, steps, active & (slot < 0)  # never stores
     p_k = ring_k + layer * s_rk_layer + slot * s_rk_slot + i_h * ring_len * K + offs_k
-    p_v = ring_v + layer * s_rv_layer + slot * s_rv_slot + i_hv * ring_len * V + offs_v
     p_g = ring_g + layer * s_rg_layer + slot * s_rg_slot + i_hv * ring_len * K + offs_k
     p_b = ring_beta + layer * s_rb_layer + slot * s_rb_slot + i_hv * ring_len
-    S = _fold_ring_steps(S, p_k, p_v, p_g, p_b, num_steps, mask_k, mask_v, track_ptrs, track_mask, track_step,
-                         K, V, USE_QK_L2NORM, TRACK, STEPS_AHEAD)
-    tl.store(s_ptrs, S.to(state.dtype.element_ty), mask=mask_s)
+    p_v_head = ring_v + layer * s_rv_layer + slot * s_rv_slot + i_hv * ring_len * V
+
+    offs_v = i_v * TILES * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask_s = active & ((offs_v < V)[:, None] & mask_k[None, :])
+    S_next = tl.load(head + slot * s_state_slot + offs_v[:, None] * K + offs_k[None, :], mask=mask_s, other=0.0)
+    for j in tl.static_range(TILES):
+        offs_v = (i_v * TILES + j) * BLOCK_V + tl.arange(0, BLOCK_V)
+        mask_v = offs_v < V
+        mask_s = active & (mask_v[:, None] & mask_k[None, :])
+        tile = offs_v[:, None] * K + offs_k[None, :]
+        S = S_next.to(tl.float32)
+        if j + 1 < TILES:
+            offs_next = offs_v + BLOCK_V
+            S_next = tl.load(head + slot * s_state_slot + offs_next[:, None] * K + offs_k[None, :],
+                             mask=active & ((offs_next < V)[:, None] & mask_k[None, :]), other=0.0)
+        S = _fold_ring_steps(S, p_k, p_v_head + offs_v, p_g, p_b, num_steps, mask_k, mask_v,
+                             head + track_slot * s_state_slot + tile, mask_s & track_live, track_step,
+                             K, V, USE_QK_L2NORM, TRACK, STEPS_AHEAD)
+        tl.store(head + slot * s_state_slot + tile, S.to(state.dtype.element_ty), mask=mask_s)
 
 
 @triton.jit
@@ -139,10 +146,24 @@ _gather_copy = CachedKernel(_gather_copy_kernel)
 # ----------------------------------------------------------------------------
 # Ring commit
 # ----------------------------------------------------------------------------
-# How many steps ahead the ring commit loads each step's ring rows (1 to 3); a benchmark
-# sweep may set it (bench_mtp.py --commit-ahead). results/mtp_commit_steps_ahead_h200.json,
-# N = 64: two ahead 80.3 -> 75.3 us at 4 steps, 101.9 -> 91.0 at 8 against one ahead.
-COMMIT_STEPS_AHEAD = 2
+# Recurrence tiles folded per program of the ring commit, in turn (the next one's state
+# loading while this one folds); None: ``commit_tiles``' choice. A benchmark sweep may set
+# it (bench_mtp.py --commit-tiles).
+COMMIT_TILES = None
+
+
+def commit_tiles(ring_len: int) -> int:
+    """Two tiles per program for rings of 4 steps or more, else one
+    (results/mtp_commit_tiles_h200.json, same layers: 2 tiles 4-5% faster at 8 steps, 1-2% at
+    4, 1-2% slower at 2)."""
+    if COMMIT_TILES is not None:
+        return COMMIT_TILES
+    return 2 if ring_len >= 4 else 1
+
+
+# How many steps ahead the ring commit loads each step's ring rows (1 or 2); a benchmark
+# sweep may set it (bench_mtp.py --commit-tiles <tiles>:<steps ahead>).
+COMMIT_STEPS_AHEAD = 1
 
 
 @register("commit_ring", "triton")
@@ -158,8 +179,9 @@ def commit_ring_triton(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, a
     if N == 0 or num_layers == 0:
         return
     block_v, num_warps = recurrence_tile(V, K)
+    tiles = max(1, min(commit_tiles(ring_len), triton.cdiv(V, block_v)))
     track = track_slots is not None
-    grid = (triton.cdiv(V, block_v), num_layers * HV, N)
+    grid = (triton.cdiv(V, block_v * tiles), num_layers * HV, N)
     _commit_ring(grid, (
         state, ring_k, ring_v, ring_g, ring_beta, slot_indices, accept_lens,
         track_slots if track else slot_indices, track_steps if track else accept_lens,
@@ -168,8 +190,8 @@ def commit_ring_triton(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, a
         ring_g.stride(0) if layered else 0, ring_g.stride(1), ring_beta.stride(0) if layered else 0,
         ring_beta.stride(1), ring_len, int(null_block_id)),
         dict(H=H, HV=HV, K=K, V=V, BLOCK_K=triton.next_power_of_2(K),
-             BLOCK_V=block_v, STEPS_AHEAD=COMMIT_STEPS_AHEAD, USE_QK_L2NORM=bool(use_qk_l2norm), TRACK=track),
-        num_warps=num_warps, num_stages=1)
+             BLOCK_V=block_v, TILES=tiles, STEPS_AHEAD=COMMIT_STEPS_AHEAD, USE_QK_L2NORM=bool(use_qk_l2norm),
+             TRACK=track), num_warps=num_warps, num_stages=1)
 
 
 @register("commit_ring", "reference")
