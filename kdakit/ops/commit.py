@@ -147,23 +147,13 @@ _gather_copy = CachedKernel(_gather_copy_kernel)
 # Ring commit
 # ----------------------------------------------------------------------------
 # Recurrence tiles folded per program of the ring commit, in turn (the next one's state
-# loading while this one folds); None: ``commit_tiles``' choice. A benchmark sweep may set
-# it (bench_mtp.py --commit-tiles).
-COMMIT_TILES = None
-
-
-def commit_tiles(ring_len: int) -> int:
-    """Two tiles per program for rings of 4 steps or more, else one
-    (results/mtp_commit_tiles_h200.json, same layers: 2 tiles 4-5% faster at 8 steps, 1-2% at
-    4, 1-2% slower at 2)."""
-    if COMMIT_TILES is not None:
-        return COMMIT_TILES
-    return 2 if ring_len >= 4 else 1
-
-
-# How many steps ahead the ring commit loads each step's ring rows (1 or 2); a benchmark
-# sweep may set it (bench_mtp.py --commit-tiles <tiles>:<steps ahead>).
-COMMIT_STEPS_AHEAD = 1
+# loading while this one folds), and how many steps ahead each step's ring rows load (1 or
+# 2); a benchmark sweep may set them (bench_mtp.py --commit-tiles <tiles>:<steps ahead>).
+# One tile, two steps ahead: results/mtp_commit_steps_ahead_repeat_h200.json, N = 64 / 256,
+# 4 steps 76.3 / 284 us against 79.6 / 306 one step ahead, 8 steps 94.9 / 336 against
+# 103.5 / 366; two tiles two ahead in between (mtp_commit_steps_ahead_h200.json likewise).
+COMMIT_TILES = 1
+COMMIT_STEPS_AHEAD = 2
 
 
 @register("commit_ring", "triton")
@@ -179,7 +169,7 @@ def commit_ring_triton(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, a
     if N == 0 or num_layers == 0:
         return
     block_v, num_warps = recurrence_tile(V, K)
-    tiles = max(1, min(commit_tiles(ring_len), triton.cdiv(V, block_v)))
+    tiles = max(1, min(COMMIT_TILES, triton.cdiv(V, block_v)))
     track = track_slots is not None
     grid = (triton.cdiv(V, block_v * tiles), num_layers * HV, N)
     _commit_ring(grid, (
@@ -190,8 +180,8 @@ def commit_ring_triton(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, a
         ring_g.stride(0) if layered else 0, ring_g.stride(1), ring_beta.stride(0) if layered else 0,
         ring_beta.stride(1), ring_len, int(null_block_id)),
         dict(H=H, HV=HV, K=K, V=V, BLOCK_K=triton.next_power_of_2(K),
-             BLOCK_V=block_v, TILES=tiles, STEPS_AHEAD=COMMIT_STEPS_AHEAD, USE_QK_L2NORM=bool(use_qk_l2norm),
-             TRACK=track), num_warps=num_warps, num_stages=1)
+             BLOCK_V=block_v, TILES=tiles, STEPS_AHEAD=COMMIT_STEPS_AHEAD,
+             USE_QK_L2NORM=bool(use_qk_l2norm), TRACK=track), num_warps=num_warps, num_stages=1)
 
 
 @register("commit_ring", "reference")
