@@ -34,27 +34,20 @@ def _fold_ring_steps(S, p_k, p_v, p_g, p_b, num_steps, mask_k, mask_v, track_ptr
                      K: tl.constexpr, V: tl.constexpr, USE_QK_L2NORM: tl.constexpr, TRACK: tl.constexpr,
                      STEPS_AHEAD: tl.constexpr):
     """Fold ``num_steps`` ring steps into the tile S. Each step's ring rows are loaded
-    STEPS_AHEAD (1 to 3) steps before it folds, and its k normalised while the step before
+    STEPS_AHEAD (1 or 2) steps before it folds, and its k normalised while the step before
     folds: the loads' latency and the norm's reduction stay off the chain of state updates.
     The rows are 1-D exactly as the verify kernel reads its inputs (the same register
     layout of k, so its L2 norm rounds alike and the replayed state equals the verify's
     snapshot bitwise)."""
     k_n, v_n, g_n, beta_n = _load_ring_step(p_k, p_v, p_g, p_b, 0, num_steps > 0, mask_k, mask_v, K, V)
-    if STEPS_AHEAD >= 2:
+    if STEPS_AHEAD == 2:
         k_nn, v_nn, g_nn, beta_nn = _load_ring_step(p_k, p_v, p_g, p_b, 1, num_steps > 1, mask_k, mask_v, K, V)
-    if STEPS_AHEAD >= 3:
-        k_n3, v_n3, g_n3, beta_n3 = _load_ring_step(p_k, p_v, p_g, p_b, 2, num_steps > 2, mask_k, mask_v, K, V)
     if USE_QK_L2NORM:
         k_n = l2_normalize(k_n)
     t = 0
     while t < num_steps:  # a loaded bound: `while` runs in the interpreter and compiled alike
         k_t, v_t, g_t, beta_t = k_n, v_n, g_n, beta_n
-        if STEPS_AHEAD == 3:
-            k_n, v_n, g_n, beta_n = k_nn, v_nn, g_nn, beta_nn
-            k_nn, v_nn, g_nn, beta_nn = k_n3, v_n3, g_n3, beta_n3
-            k_n3, v_n3, g_n3, beta_n3 = _load_ring_step(p_k, p_v, p_g, p_b, t + 3, t + 3 < num_steps, mask_k,
-                                                        mask_v, K, V)
-        elif STEPS_AHEAD == 2:
+        if STEPS_AHEAD == 2:
             k_n, v_n, g_n, beta_n = k_nn, v_nn, g_nn, beta_nn
             k_nn, v_nn, g_nn, beta_nn = _load_ring_step(p_k, p_v, p_g, p_b, t + 2, t + 2 < num_steps, mask_k,
                                                         mask_v, K, V)
@@ -154,8 +147,8 @@ _gather_copy = CachedKernel(_gather_copy_kernel)
 # Ring commit
 # ----------------------------------------------------------------------------
 # Recurrence tiles folded per program of the ring commit, in turn (the next one's state
-# loading while this one folds), and how many steps ahead each step's ring rows load (1 to
-# 3); a benchmark sweep may set them (bench_mtp.py --commit-tiles <tiles>:<steps ahead>).
+# loading while this one folds), and how many steps ahead each step's ring rows load (1 or
+# 2); a benchmark sweep may set them (bench_mtp.py --commit-tiles <tiles>:<steps ahead>).
 # One tile, two steps ahead: results/mtp_commit_steps_ahead_repeat_h200.json, N = 64 / 256,
 # 4 steps 76.3 / 284 us against 79.6 / 306 one step ahead, 8 steps 94.9 / 336 against
 # 103.5 / 366; two tiles two ahead in between (mtp_commit_steps_ahead_h200.json likewise).
