@@ -1,6 +1,8 @@
 """Speculative verify and commit on the GPU: checks at real sizes, then timings.
 
-    python benchmarks/bench_mtp.py [--quick] [--tile-bytes 4096,8192]
+    python benchmarks/bench_mtp.py [--quick] [--batches 1,8,64,256] [--name mtp_h200]
+    sweeps: --tile-bytes 4096,8192 | --ring-sweep ... | --conv-sweep 64x2,128x4:wr1 |
+            --commit-tiles 1:1,1:2,2:2
 
 Verify in snapshot and ring mode (inputs already convolved, and with the short conv
 fused), the snapshot and ring commits, and fla's speculative serving path
@@ -257,10 +259,11 @@ def commit_sweep(results, variants, batches):
     """The ring commit per variant "<tiles per program>[:<steps ahead>]" (kdakit/ops/commit.py
     COMMIT_TILES, COMMIT_STEPS_AHEAD) on the same verified layers, after the bitwise checks of each."""
     from kdakit.ops import commit as commit_module
+    shipped_ahead = commit_module.COMMIT_STEPS_AHEAD
 
     def use(variant):
         tiles, *ahead = (int(x) for x in variant.split(":"))
-        commit_module.COMMIT_TILES, commit_module.COMMIT_STEPS_AHEAD = tiles, ahead[0] if ahead else 1
+        commit_module.COMMIT_TILES, commit_module.COMMIT_STEPS_AHEAD = tiles, ahead[0] if ahead else shipped_ahead
     for variant in variants:
         use(variant)
         commit_bitwise_checks(results, tag=f"-tiles{variant}")
