@@ -273,7 +273,8 @@ def test_snapshot_and_ring_verify_agree_and_ring_commit_is_bitwise(T, tile_bytes
                                                                    monkeypatch, use_ring_form):
     """Snapshot and ring verify (conv prologue kernel, then the recurrence or the chunk form)
     compute the same outputs and windows; a ring commit of any prefix equals the snapshot commit bitwise,
-    whatever tile of state rows the recurrence kernels share and however many tiles a commit program folds."""
+    whatever tile of state rows the recurrence kernels share, however many tiles a commit program folds and
+    however far ahead it loads its rings."""
     from kdakit.ops import commit as commit_module
     from kdakit.ops import mtp_verify as mtp_verify_module
     from kdakit.ops.mtp_verify import mtp_verify_triton
@@ -314,6 +315,27 @@ def test_snapshot_and_ring_verify_agree_and_ring_commit_is_bitwise(T, tile_bytes
                             backend="triton")
     kdakit.commit_ring(ring_state, *results["ring"][1]["rings"], slots, accept, backend="triton")
     assert torch.equal(snap_state, ring_state), "ring commit must equal snapshot commit bitwise"
+
+
+@pytest.mark.parametrize("window_runs", [False, True], ids=["windows-per-tap", "windows-as-runs"])
+@pytest.mark.parametrize("T,V,W_conv", [(3, 24, 4), (8, 40, 4), (5, 24, 3)], ids=["T3", "T8-V40", "T5-W3"])
+def test_verify_conv_windows_both_store_paths(window_runs, T, V, W_conv, monkeypatch):
+    """The conv prologue stores the windows after each step tap by tap or as whole runs
+    (verify_conv.window_runs picks by T): both bitwise equal to the reference's raw inputs,
+    with a partial channel block, a padding request's scratch row and step T untouched."""
+    import sys
+    from kdakit.ops import verify_conv
+    monkeypatch.setattr(verify_conv, "WINDOW_RUNS", window_runs)
+    monkeypatch.setattr(sys.modules[__name__], "W", W_conv)  # the conv width make_problem uses
+    p, d = make_problem(53, act=torch.bfloat16, conv=True, T=T, K=16, V=V, H=1, HV=2)
+    assert p["conv_weights"][0].shape[1] == W_conv
+    got, want = fresh_buffers(d, mode="snapshot"), fresh_buffers(d, mode="snapshot")
+    call_verify(p, got, conv=True, lower_bound=-2.0, backend="triton")
+    call_verify(p, want, conv=True, lower_bound=-2.0, backend="reference")
+    for g, w in zip(got["intermediate_conv"], want["intermediate_conv"]):
+        assert torch.equal(g, w), "windows after each step (and every untouched position) bitwise"
+        assert (g[p["scratch_indices"][1].long()] == 7.0).all(), "the padding request's scratch row untouched"
+        assert (g[:, T] == 7.0).all(), "no step past T written"
 
 
 @pytest.mark.parametrize("commit_tiles", [1, 4], ids=["tile-per-program", "4-tiles-per-program-1-step-ahead"])
