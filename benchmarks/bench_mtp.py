@@ -225,17 +225,20 @@ def timings(results, quick, commit_only=False, batches=None, tag="", skip_fla=Fa
 
 def ring_sweep(results, variants, batches):
     """Ring verify (no conv, then with it) at every batch for each variant, forced whatever
-    the batch: "recurrent", "chunked" (kdakit/ops/ring_verify.py as configured), or the chunk
+    the batch: "recurrent", "chunked" (kdakit/ops/ring_verify.py as configured),
+    "chunked-pairwise" (its pair sums never factored), or the chunk
     form's "<precision>:<block_v>x<warps>:<k_chunk>:<stages>[:<steps kernel warps>]"; each
     checked against float64 before it is timed."""
     from kdakit.ops import mtp_verify as mtp_verify_module, ring_verify as ring_verify_module
-    config_names = ("STEPS_WARPS", "DOT_PRECISION", "STATE_TILE", "K_CHUNK", "NUM_STAGES")
+    config_names = ("STEPS_WARPS", "DOT_PRECISION", "STATE_TILE", "K_CHUNK", "NUM_STAGES", "FACTORED_PAIR_SUMS")
     shipped = {name: getattr(ring_verify_module, name) for name in config_names}
     for variant in variants:
         mtp_verify_module.RING_CHUNK_FORM_ABOVE = 1 << 30 if variant == "recurrent" else 0
         for name, value in shipped.items():  # every variant starts from the shipped config
             setattr(ring_verify_module, name, value)
-        if variant not in ("recurrent", "chunked"):
+        if variant == "chunked-pairwise":  # the shipped chunk form, pair sums never factored
+            ring_verify_module.FACTORED_PAIR_SUMS = False
+        elif variant not in ("recurrent", "chunked"):
             precision, tile, k_chunk, stages, *steps_warps = variant.split(":")
             ring_verify_module.STEPS_WARPS = int(steps_warps[0]) if steps_warps else None
             ring_verify_module.DOT_PRECISION = precision

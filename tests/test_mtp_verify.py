@@ -317,6 +317,29 @@ def test_snapshot_and_ring_verify_agree_and_ring_commit_is_bitwise(T, tile_bytes
     assert torch.equal(snap_state, ring_state), "ring commit must equal snapshot commit bitwise"
 
 
+@pytest.mark.parametrize("factored", [True, False], ids=["pair-sums-factored", "pair-sums-pairwise"])
+@pytest.mark.parametrize("T,lower_bound", [(4, -5.0), (11, -5.0), (8, -0.5)], ids=["T4-lb5", "T11-lb5", "T8-lb0.5"])
+def test_ring_chunk_form_pair_sums_both_ways(factored, T, lower_bound, monkeypatch, use_ring_form):
+    """The chunk form's pair sums with the safe gate, factored (e^G_t · e^-G_s) or pair by
+    pair, against float64 on a steep decay: the same outputs to float32 accuracy."""
+    from kdakit.ops import ring_verify
+    monkeypatch.setattr(ring_verify, "FACTORED_PAIR_SUMS", None if factored else False)
+    assert ring_verify.factored_pair_sums(T, lower_bound) == factored
+    use_ring_form("chunked")
+    p, d = make_problem(59, act=torch.float32, conv=False, T=T, K=48, V=24, H=1, HV=2)
+    p["A_log"] = torch.full_like(p["A_log"], 3.0)  # the gate at its bound: G reaches T * lower_bound
+    ref_out = call_verify(p, fresh_buffers(d, mode="ring"), conv=False, lower_bound=lower_bound, f64=True)
+    out = call_verify(p, fresh_buffers(d, mode="ring"), conv=False, lower_bound=lower_bound, backend="triton")
+    assert_close(out, ref_out, 1e-5, "out")
+
+
+def test_factored_pair_sums_rule():
+    from kdakit.ops.ring_verify import factored_pair_sums
+    assert factored_pair_sums(8, -5.0) and factored_pair_sums(16, -5.0) and factored_pair_sums(4, -1.0)
+    assert not factored_pair_sums(17, -5.0), "e^85 is past what the factors may reach"
+    assert not factored_pair_sums(4, None), "the default gate's decay is unbounded"
+
+
 @pytest.mark.parametrize("window_runs", [False, True], ids=["windows-per-tap", "windows-as-runs"])
 @pytest.mark.parametrize("T,V,W_conv", [(3, 24, 4), (8, 40, 4), (5, 24, 3)], ids=["T3", "T8-V40", "T5-W3"])
 def test_verify_conv_windows_both_store_paths(window_runs, T, V, W_conv, monkeypatch):

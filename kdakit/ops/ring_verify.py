@@ -35,7 +35,7 @@ def _ring_verify_steps_kernel(
     ring_k, ring_g, ring_beta, s_rk_slot, s_rg_slot, s_rb_slot, ring_len,
     scale, lower_bound,
     T: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, SAFE_GATE: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, SAFE_GATE: tl.constexpr, FACTORED: tl.constexpr,
     WAIT_FOR_TOKENS: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
 ):
     # One program per (request, value head): x and M (v enters in the state kernel). The k
@@ -79,16 +79,32 @@ def _ring_verify_steps_kernel(
     G_cum = tl.cumsum(g, axis=0)
     # The pair sums one column s at a time, on [T, K] tiles (no [T, T, K] products): row s
     # of a tile is picked out exactly (one value plus zeros), within each thread's registers
-    # as the program is one warp. exp(G_t - G_s) is taken pair by pair, zero where t < s.
+    # as the program is one warp. exp(G_t - G_s) is taken pair by pair, zero where t < s, or,
+    # FACTORED, as e^G_t · e^-G_s: safe when |G| <= T |lower_bound| <= 80 (the launcher's
+    # rule), and no exponential per pair.
     A = tl.zeros((BLOCK_T, BLOCK_T), dtype=tl.float32)
     B = tl.zeros((BLOCK_T, BLOCK_T), dtype=tl.float32)
-    for s in tl.static_range(T):
-        row_s = offs_t[:, None] == s
-        k_s = tl.sum(tl.where(row_s, k_hat, 0.0), axis=0)
-        G_s = tl.sum(tl.where(row_s, G_cum, 0.0), axis=0)
-        k_decayed = k_s[None, :] * tl.exp(tl.where(offs_t[:, None] >= s, G_cum - G_s[None, :], float("-inf")))
-        A = tl.where(offs_t[None, :] == s, tl.sum(k_hat * k_decayed, axis=1)[:, None], A)
-        B = tl.where(offs_t[None, :] == s, tl.sum(q_hat * k_decayed, axis=1)[:, None], B)
+    if FACTORED:
+        e_G = tl.exp(G_cum)
+        k_gated = k_hat * e_G
+        q_gated = q_hat * e_G
+        k_ungated = k_hat * tl.exp(-G_cum)
+        for s in tl.static_range(T):
+            k_s = tl.sum(tl.where(offs_t[:, None] == s, k_ungated, 0.0), axis=0)
+            A = tl.where(offs_t[None, :] == s, tl.sum(k_gated * k_s[None, :], axis=1)[:, None], A)
+            B = tl.where(offs_t[None, :] == s, tl.sum(q_gated * k_s[None, :], axis=1)[:, None], B)
+        B = tl.where(offs_t[:, None] >= offs_t[None, :], B, 0.0)
+    else:
+        for s in tl.static_range(T):
+            row_s = offs_t[:, None] == s
+            k_s = tl.sum(tl.where(row_s, k_hat, 0.0), axis=0)
+            G_s = tl.sum(tl.where(row_s, G_cum, 0.0), axis=0)
+            k_decayed = k_s[None, :] * tl.exp(tl.where(offs_t[:, None] >= s, G_cum - G_s[None, :], float("-inf")))
+            A = tl.where(offs_t[None, :] == s, tl.sum(k_hat * k_decayed, axis=1)[:, None], A)
+            B = tl.where(offs_t[None, :] == s, tl.sum(q_hat * k_decayed, axis=1)[:, None], B)
+        e_G = tl.exp(G_cum)
+        k_gated = k_hat * e_G
+        q_gated = q_hat * e_G
     A = tl.where(offs_t[:, None] > offs_t[None, :], A, 0.0)
 
     # (I + diag(β) A)^-1 by forward substitution: row t needs only rows s < t.
@@ -100,9 +116,7 @@ def _ring_verify_steps_kernel(
         solve = tl.where(offs_t[:, None] == t, new[None, :], solve)
     M = tl.sum(B[:, :, None] * solve[None, :, :], axis=1) * beta[None, :]
 
-    e_G = tl.exp(G_cum)
-    k_gated = k_hat * e_G
-    x = q_hat * e_G
+    x = q_gated
     for s in tl.static_range(T):
         m_s = tl.sum(tl.where(offs_t[None, :] == s, M, 0.0), axis=1)
         x -= m_s[:, None] * tl.sum(tl.where(offs_t[:, None] == s, k_gated, 0.0), axis=0)[None, :]
@@ -164,6 +178,19 @@ DOT_PRECISION = "tf32x3"
 STEPS_WARPS = None  # None: steps_warps' choice
 
 
+# The pair sums factored as (k̂ e^G)(k̂ e^-G) where the safe gate bounds |G| by T |lower_bound|
+# <= FACTOR_BOUND (e^80 and e^-80 are normal float32 numbers); pair by pair otherwise (the
+# default gate's decay is unbounded). None: that rule; False: always pair by pair (sweeps).
+FACTORED_PAIR_SUMS = None
+FACTOR_BOUND = 80.0
+
+
+def factored_pair_sums(T: int, lower_bound) -> bool:
+    if FACTORED_PAIR_SUMS is False or lower_bound is None:
+        return False
+    return T * abs(float(lower_bound)) <= FACTOR_BOUND
+
+
 def steps_warps(T: int) -> int:
     """One warp keeps every row pick of the steps kernel within a thread's registers: at 8
     steps one warp beat two and four by 2x and 4x (results/mtp_ring_v_in_state_kernel_sweep_h200.json).
@@ -188,7 +215,7 @@ def ring_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, out, rings, 
          ring_k.stride(0), ring_g.stride(0), ring_beta.stride(0), ring_k.shape[2],
          float(scale), float(lower_bound) if lower_bound is not None else 0.0),
         dict(T=T, H=H, HV=HV, K=K, BLOCK_T=triton.next_power_of_2(T), BLOCK_K=triton.next_power_of_2(K),
-             SAFE_GATE=lower_bound is not None,
+             SAFE_GATE=lower_bound is not None, FACTORED=factored_pair_sums(T, lower_bound),
              WAIT_FOR_TOKENS=wait_for_tokens and pdl, LAUNCH_DEPENDENTS=pdl),
         num_warps=steps_warps(T), num_stages=1, launch_pdl=wait_for_tokens and pdl)
     block_v, num_warps = STATE_TILE
