@@ -185,6 +185,23 @@ def time_verify(results, name, N, T, *, mode, conv):
     return layers, moved
 
 
+def ring_accept_lens(layers, T):
+    """Run each ring-mode layer's verify (it fills the rings) and draw accept lengths 1 .. T."""
+    for L in layers:
+        verify_call(L)()
+    N = layers[0]["slots"].shape[0]
+    return [torch.randint(1, T + 1, (N,), device="cuda", dtype=torch.int32) for _ in layers]
+
+
+def time_commit_ring(results, name, layers, accept, *, num_spec, N):
+    """The ring commit of every layer in one graph; its floor reads and writes each state once."""
+    t = harness.graph_time_us([
+        (lambda L=L, acc=acc: kdakit.commit_ring(L["state"], *L["rings"], L["slots"], acc))
+        for L, acc in zip(layers, accept)])
+    results["rows"].append(harness.row(name, t, 2 * N * STATE_BYTES, results["copy_ceiling_GBps"],
+                                       num_spec=num_spec, N=N, layers=len(layers)))
+
+
 def timings(results, quick, commit_only=False, batches=None, tag="", skip_fla=False):
     ceiling = results["copy_ceiling_GBps"]
     batches = batches or ((8, 64) if quick else (1, 8, 64, 256))
@@ -199,14 +216,7 @@ def timings(results, quick, commit_only=False, batches=None, tag="", skip_fla=Fa
                                             conv=conv)
                 nl = len(layers)
                 if mode == "ring" and not conv:
-                    for L in layers:
-                        verify_call(L)()
-                    accept = [torch.randint(1, T + 1, (N,), device="cuda", dtype=torch.int32) for _ in layers]
-                    moved_commit = 2 * N * STATE_BYTES
-                    t = harness.graph_time_us([
-                        (lambda L=L, acc=acc: kdakit.commit_ring(L["state"], *L["rings"], L["slots"], acc))
-                        for L, acc in zip(layers, accept)])
-                    results["rows"].append(harness.row(f"commit-ring{tag}", t, moved_commit, ceiling, **base, layers=nl))
+                    time_commit_ring(results, f"commit-ring{tag}", layers, ring_accept_lens(layers, T), **base)
                 if mode == "snapshot" and not conv:
                     for L in layers:
                         verify_call(L)()
@@ -276,16 +286,10 @@ def commit_sweep(results, variants, batches):
             moved = 2 * N * STATE_BYTES
             nl = harness.layers_for(moved)
             layers = [make_layer(N, T, conv=False, mode="ring", seed=i, slots=N * (T + 1) + 2) for i in range(nl)]
-            for L in layers:
-                verify_call(L)()
-            accept = [torch.randint(1, T + 1, (N,), device="cuda", dtype=torch.int32) for _ in layers]
+            accept = ring_accept_lens(layers, T)
             for variant in variants:
                 use(variant)
-                t = harness.graph_time_us([
-                    (lambda L=L, acc=acc: kdakit.commit_ring(L["state"], *L["rings"], L["slots"], acc))
-                    for L, acc in zip(layers, accept)])
-                results["rows"].append(harness.row(f"commit-ring-tiles{variant}", t, moved,
-                                                   results["copy_ceiling_GBps"], num_spec=num_spec, N=N, layers=nl))
+                time_commit_ring(results, f"commit-ring-tiles{variant}", layers, accept, num_spec=num_spec, N=N)
             del layers
             torch.cuda.empty_cache()
 
