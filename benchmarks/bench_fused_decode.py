@@ -80,7 +80,7 @@ def chain_call(layer, norm=True, lower_bound=None):
     return call
 
 
-def dependent_chain_call(layer, norm=True, pdl=True, conv_config=None, decode_config=None):
+def dependent_chain_call(layer, norm=True, pdl=True, conv_config=None, decode_config=None, **chain_kw):
     """The op's own unfused chain, each kernel a programmatic dependent launch of the one before."""
     from kdakit.ops.fused_decode import _unfused_chain
     kw = dict(norm_gate=layer["norm_gate"], norm_weight=layer["norm_weight"]) if norm else dict(norm_gate=None,
@@ -89,7 +89,7 @@ def dependent_chain_call(layer, norm=True, pdl=True, conv_config=None, decode_co
     return lambda: _unfused_chain(layer["qkv"], layer["conv_weight"], layer["conv_state"], layer["a"], layer["b"],
                                   layer["A_log"], layer["dt_bias"], layer["state"], layer["idx"], layer["out"],
                                   conv_bias=None, scale=K ** -0.5, lower_bound=None, norm_eps=1e-6, pdl=pdl,
-                                  conv_config=conv_config, decode_config=decode_config, **kw)
+                                  conv_config=conv_config, decode_config=decode_config, **chain_kw, **kw)
 
 
 def packed_call(layer):
@@ -227,7 +227,8 @@ def check_dependent_chain(results):
     wait would see the previous kernel's output half-written, and differ)."""
     H = HV = 32
     K = V = 128
-    for N, norm in ((1, True), (8, False), (32, True), (256, True)):
+    for N, norm, chain_kw in ((1, True, {}), (8, False, {}), (32, True, {}), (256, True, {}),
+                              *((n, True, kw) for kw in CHAIN_VARIANTS.values() for n in (8, 256))):
         layer = make_layer(N, H, HV, K, V, seed=300 + N)
         if N > 1:
             layer["idx"][N // 2] = -1
@@ -238,7 +239,7 @@ def check_dependent_chain(results):
             layer["state"].copy_(state0)
             layer["conv_state"].copy_(conv0)
             layer["out"].fill_(float("nan"))
-            dependent_chain_call(layer, norm, pdl)()
+            dependent_chain_call(layer, norm, pdl, **chain_kw)()
             return layer["out"].clone(), layer["state"].clone(), layer["conv_state"].clone()
 
         plain = run(False)
@@ -246,7 +247,8 @@ def check_dependent_chain(results):
         live = layer["idx"][layer["idx"] >= 0].long()
         e_out, e_state = rel(plain[0], ref_out), rel(plain[1][live], ref_state[live])
         conv_ok = torch.equal(plain[2][live], ref_conv[live].to(plain[2].dtype))
-        results["checks"].append({"case": f"dependent-chain-N{N}-norm{int(norm)}-repeat100-bitwise-plain",
+        variant = "".join(f"-{k}{v}" for k, v in chain_kw.items())
+        results["checks"].append({"case": f"dependent-chain-N{N}-norm{int(norm)}{variant}-repeat100-bitwise-plain",
                                   "out_err": e_out, "state_err": e_state, "conv_bitwise": conv_ok,
                                   "untouched": same, "ok": same and conv_ok and e_out < 2e-2 and e_state < 1e-3})
         del layer
@@ -283,6 +285,13 @@ SWEEP = []  # set from --sweep
 CHAIN_SWEEP = [("conv", c) for c in ((128, 1), (512, 4), (1024, 4), (64, 1))] + [
     ("decode", c) for c in ((2, 1, 1, 1, ""), (4, 1, 1, 1, ""), (8, 1, 1, 1, ""), (16, 1, 1, 1, ""), (8, 2, 1, 1, ""),
                             (4, 2, 1, 1, ""))]
+
+
+# The dependent chain with its norm over several rows a program (ROWS, num_warps).
+CHAIN_VARIANTS = {
+    "norm rows 1x1": dict(norm_config=(1, 1)), "norm rows 4x2": dict(norm_config=(4, 2)),
+    "norm rows 8x4": dict(norm_config=(8, 4)), "norm rows 16x8": dict(norm_config=(16, 8)),
+}
 
 
 def config_name(config, norm):
@@ -360,6 +369,8 @@ def timings(results, quick: bool, sweep: str | None = None):
                            ("one-kernel step+norm", lambda l: config_call(l, one_kernel_config(N), True)),
                            ("dependent chain+norm", lambda l: dependent_chain_call(l, True)),
                            ("dependent chain", lambda l: dependent_chain_call(l, False)),
+                           *((f"dependent chain+norm, {name}", lambda l, kw=kw: dependent_chain_call(l, True, **kw))
+                             for name, kw in CHAIN_VARIANTS.items()),
                            ("plain chain+norm (op)", lambda l: dependent_chain_call(l, True, False)),
                            ("packed_decode alone", packed_call)) + tuple(
                 (config_name(c, norm), (lambda l, c=c, norm=norm: config_call(l, c, norm)))

@@ -149,13 +149,16 @@ def correctness(results):
     results["checks"].append({"case": "cuda-graph-replay-new-inputs-bitwise-eager", "ok": ok})
 
 
-def timings(results, sweep: bool, quick: bool):
+def timings(results, sweep: bool, quick: bool, configs=None, batches=None):
     ceiling = results["copy_ceiling_GBps"]
-    batches = [1, 8, 32, 128, 512] if not quick else [8, 128]
+    batches = batches or ([1, 8, 32, 128, 512] if not quick else [8, 128])
     # (BLOCK_V, V_TILES, num_warps, num_stages, EVICT); the next tile's load is in flight while
     # one computes whatever num_stages (static loop); evict_first measured 1-2% slower before.
-    configs = [(bv, t, 1, 1, "") for bv, t in ((4, 1), (4, 2), (8, 1), (8, 2), (8, 4), (16, 1), (16, 2))] if sweep else []
-    for HV, dtypes in ((32, (torch.float32, torch.bfloat16)), (12, (torch.float32,))):
+    only_fp32 = bool(configs)  # a config list of its own: the float32 HV = 32 pool alone
+    configs = configs or ([(bv, t, 1, 1, "") for bv, t in ((4, 1), (4, 2), (8, 1), (8, 2), (8, 4), (16, 1), (16, 2))]
+                          if sweep else [])
+    pools = ((32, (torch.float32,)),) if only_fp32 else ((32, (torch.float32, torch.bfloat16)), (12, (torch.float32,)))
+    for HV, dtypes in pools:
         H, K, V = HV, 128, 128
         for sd in dtypes:
             state_bytes = HV * V * K * sd.itemsize
@@ -229,11 +232,15 @@ def main():
     parser.add_argument("--sweep", action="store_true", help="time every (BLOCK_V, num_warps) config too")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--name", default="packed_decode_h200")
+    parser.add_argument("--configs", help="BLOCK_VxV_TILESxWARPS,... (float32 pools, HV = 32 only)")
+    parser.add_argument("--batches", help="N,N,...")
     args = parser.parse_args()
     results = harness.new_results()
     correctness(results)
     bad = [c for c in results["checks"] if not c["ok"]]
-    timings(results, args.sweep, args.quick)
+    configs = [tuple(int(x) for x in c.split("x")) + (1, "") for c in args.configs.split(",")] if args.configs else None
+    batches = [int(n) for n in args.batches.split(",")] if args.batches else None
+    timings(results, args.sweep, args.quick, configs, batches)
     harness.close_results(results)
     path = harness.save(results, args.name)
     print(f"copy ceiling {results['copy_ceiling_GBps']} GB/s (end {results['copy_ceiling_GBps_end']}); saved {path}")

@@ -224,7 +224,7 @@ def layer_bytes(N, T, H, HV, K, V, act_bytes=2, state_bytes=4):
     return state + tokens
 
 
-def timings(results, sweep: bool, quick: bool):
+def timings(results, sweep: bool, quick: bool, configs=None):
     ceiling = results["copy_ceiling_GBps"]
     H = HV = 32
     K = V = 128
@@ -232,8 +232,8 @@ def timings(results, sweep: bool, quick: bool):
     if quick:
         sizes = [(8, 1), (64, 1), (256, 1)]
     # (BLOCK_V, num_warps, V_TILES, PREFETCH_TILE)
-    configs = [(16, 1, 1, 1), (8, 1, 1, 1), (8, 1, 2, 0), (8, 1, 4, 0), (4, 1, 2, 0), (4, 1, 4, 1), (8, 1, 2, 1),
-               (8, 1, 4, 1)] if sweep else []
+    configs = configs or ([(16, 1, 1, 1), (8, 1, 1, 1), (8, 1, 2, 0), (8, 1, 4, 0), (4, 1, 2, 0), (4, 1, 4, 1),
+                           (8, 1, 2, 1), (8, 1, 4, 1)] if sweep else [])
     for N, T in sizes:
         moved = layer_bytes(N, T, H, HV, K, V)
         num_layers = harness.layers_for(moved)
@@ -242,7 +242,8 @@ def timings(results, sweep: bool, quick: bool):
         ref_out, ref_pool, _ = ref_forward(layers[0])
         snap = layers[0]["state"].clone()
         live = layers[0]["idx"].long()
-        for name, cfg in [("kdakit", None)] + [("kdakit-bv{}-w{}-t{}-prefetch{}".format(*c), c) for c in configs]:
+        for name, cfg in [("kdakit", None)] + [("kdakit-" + "-".join(f"{k}{v}" for k, v in zip(
+                ("bv", "w", "t", "prefetch", "tilesfirst"), c)), c) for c in configs]:
             layers[0]["state"].copy_(snap)
             kdakit_call(layers[0], config=cfg)()
             err = max(rel(layers[0]["out"], ref_out), rel(layers[0]["state"][live], ref_pool[live]))
@@ -281,11 +282,13 @@ def main():
     parser.add_argument("--sweep", action="store_true", help="time kdakit's alternative (BLOCK_V, num_warps) too")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--name", default="recurrent_forward_h200")
+    parser.add_argument("--configs", help="BLOCK_VxWARPSxV_TILESxPREFETCHxTILES_FIRST,... (kdakit variants to time)")
     args = parser.parse_args()
     results = harness.new_results()
     correctness(results)
     bad = [c for c in results["checks"] if not c["ok"]]
-    timings(results, args.sweep, args.quick)
+    configs = [tuple(int(x) for x in c.split("x")) for c in args.configs.split(",")] if args.configs else None
+    timings(results, args.sweep, args.quick, configs)
     harness.close_results(results)
     path = harness.save(results, args.name)
     print(f"copy ceiling {results['copy_ceiling_GBps']} GB/s (end {results['copy_ceiling_GBps_end']}); saved {path}")

@@ -54,6 +54,33 @@ def test_strided_rows_gate_from_wider_projection(backend):
     assert (wide_out[..., V:] == POISON).all(), "bytes outside `out` must stay"
 
 
+@pytest.mark.parametrize("config", [(1, 1), (2, 1), (4, 2), (8, 4)], ids=lambda c: "rows{}-warps{}".format(*c))
+@pytest.mark.parametrize("V", [24, 128])
+def test_rows_per_program(config, V):
+    """Several rows a program (a row count that no ROWS divides, rows over two strided
+    groups, a strided out): every row normed on its own, nothing written past the rows."""
+    from kdakit import contracts
+    from kdakit.ops.gated_rmsnorm import gated_rmsnorm_triton
+    gen = torch.Generator().manual_seed(5)
+    T, HV = 7, 3
+    x = torch.randn(T, HV, V, generator=gen).bfloat16()
+    gate = sliced_rows(gen, T, HV, V, torch.bfloat16)
+    weight = torch.rand(V, generator=gen) + 0.5
+    wide_out = torch.full((T, HV, V + 3), POISON)
+    out = wide_out[..., :V]
+    groups = contracts.check_gated_rmsnorm(x, gate, weight, out, eps=1e-6)
+    gated_rmsnorm_triton(x, gate, weight, out, eps=1e-6, groups=groups, config=config)
+    assert_close(out, ref(x, gate, weight), 1e-6)
+    assert (wide_out[..., V:] == POISON).all(), "bytes outside `out` must stay"
+
+
+def test_rows_per_program_pin():
+    from kdakit.ops.gated_rmsnorm import _launch_config
+    assert _launch_config(128, 1024) == (1, 1)   # one row a program up to 2048 rows
+    assert _launch_config(128, 4096) == (8, 4)   # then 8 rows on 4 warps
+    assert _launch_config(4096, 4096) == (1, 8)  # wide rows stay one a program
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_out_dtype_and_default_allocation(backend):
     gen = torch.Generator().manual_seed(2)

@@ -274,7 +274,9 @@ def test_registered_backends_and_cpu_default():
     assert name in ("reference", "triton")  # triton only when KDAKIT_BACKEND forces it
 
 
-@pytest.mark.parametrize("config", [(4, 1), (32, 2), (8, 1, 2), (4, 1, 3), (4, 1, 3, 0)], ids=["bv4", "bv32", "bv8-tiles2", "bv4-tiles3", "bv4-tiles3-no-prefetch"])
+@pytest.mark.parametrize("config", [(4, 1), (32, 2), (8, 1, 2), (4, 1, 3), (4, 1, 3, 0), (4, 1, 3, 1, 1), (8, 1, 1, 1, 1)],
+                         ids=["bv4", "bv32", "bv8-tiles2", "bv4-tiles3", "bv4-tiles3-no-prefetch", "bv4-tiles3-tiles-first",
+                              "bv8-tiles-first"])
 def test_triton_tile_configs(config):
     """Configs a benchmark sweep may pin compute the same thing."""
     gen = torch.Generator().manual_seed(9)

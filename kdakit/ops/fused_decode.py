@@ -234,12 +234,12 @@ def _chain_decode_config(batch: int, HV: int, V: int, K: int, state_itemsize: in
 
 def _unfused_chain(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, state, slot_indices, out, *, conv_bias,
                    scale, lower_bound, norm_gate, norm_weight, norm_eps, pdl=None, conv_config=None,
-                   decode_config=None):
+                   decode_config=None, norm_config=None):
     """conv -> packed decode (-> gated norm). ``pdl`` (default: ``pdl_available``): each
     kernel after the first is a programmatic dependent launch of the one before, so its
     launch and its loads of what the one before does not write (the state tiles, the
     gate) overlap that kernel's tail; the conv itself waits for the whole stream.
-    ``conv_config``, ``decode_config``: the kernels' launch configs (sweeps)."""
+    ``conv_config``, ``decode_config``, ``norm_config``: the kernels' launch configs (sweeps)."""
     B, HV, V, K = qkv.shape[0], *state.shape[1:]
     pdl = pdl_available(qkv.device) if pdl is None else pdl
     has_norm = norm_weight is not None
@@ -252,7 +252,7 @@ def _unfused_chain(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, state, sl
                          launch_dependents=pdl and has_norm)
     if has_norm:
         gated_rmsnorm_after(o, norm_gate.unflatten(-1, (HV, V)).unsqueeze(1), norm_weight, out, eps=norm_eps,
-                            wait_for_x=pdl)
+                            wait_for_x=pdl, config=norm_config)
     return out
 
 

@@ -54,9 +54,15 @@ def _recurrent_forward_kernel(
     IS_VARLEN: tl.constexpr, PER_TOKEN_SLOTS: tl.constexpr, HAS_NUM_ACCEPTED: tl.constexpr,
     WRITE_STATE: tl.constexpr, HAS_TOKEN_STATES: tl.constexpr, HAS_FINAL_STATES: tl.constexpr,
     USE_QK_L2NORM: tl.constexpr, GATE_IN_KERNEL: tl.constexpr, SAFE_GATE: tl.constexpr, BETA_MODE: tl.constexpr,
-    PADDING_ROWS: tl.constexpr,
+    PADDING_ROWS: tl.constexpr, TILES_FIRST: tl.constexpr, V_PROGRAMS: tl.constexpr,
 ):
-    i_n, i_hv, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if TILES_FIRST:
+        # One flat grid, a sequence's heads and V tiles next to each other in launch order:
+        # programs that run together stream neighbouring rows of one slot.
+        pid = tl.program_id(0)
+        i_v, i_hv, i_n = pid % V_PROGRAMS, (pid // V_PROGRAMS) % HV, pid // (V_PROGRAMS * HV)
+    else:
+        i_n, i_hv, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_hv // (HV // H)
     n64 = i_n.to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
@@ -149,23 +155,26 @@ _recurrent_forward = CachedKernel(_recurrent_forward_kernel)
 
 
 def _launch_config(N: int, HV: int, V: int, K: int, tokens: int, k_major: bool = False) -> tuple:
-    """(BLOCK_V, num_warps, V_TILES, PREFETCH_TILE), pinned from the H200 sweeps
+    """(BLOCK_V, num_warps, V_TILES, PREFETCH_TILE, TILES_FIRST), pinned from the H200 sweeps
     (benchmarks/results/recurrent_forward_*sweep_h200.json), no autotuning in a serving call.
     Sequences of several tokens: one warp on 16 rows of K = 128 float32 (8 KB: fewer programs
-    repeat each token's q/k/gate work). One-token sequences: two 4 KB tiles per program, the
-    second prefetched, up to 256 (sequence, head) pairs; two 2 KB tiles without prefetch up
-    to 2048; four 4 KB tiles, prefetched, beyond. A K-major pool (fla's layout, a transposed
-    view) is contiguous along V: 32-row tiles over 4 warps keep its loads coalesced."""
+    repeat each token's q/k/gate work). One-token sequences: two 2 KB tiles a program up to
+    256 (sequence, head) pairs, one 4 KB tile beyond. A sequence's programs run next to each
+    other in launch order (TILES_FIRST) for one-token sequences, and past 256 pairs for
+    longer ones (recurrent_forward_tiles_first_h200.json, recurrent_forward_tiles_first_final_h200.json:
+    T = 1, N = 64 72.3-73.1 us against 75.8-76.8 in (sequence, head, tile) order, N = 256 272.8
+    against 297.6-311.5; T = 4, N = 256 411.2 against 433.6; T = 16, N = 64 338.6 against
+    351.2; at T = 4 and 16, N = 8 0.2-1.9 us slower, not taken). A K-major
+    pool (fla's layout, a transposed view) is contiguous along V: 32-row tiles over 4 warps
+    keep its loads coalesced."""
     rows = max(1, min(triton.next_power_of_2(V), 4096 // (triton.next_power_of_2(K) * 4)))
     if k_major:
-        return min(triton.next_power_of_2(V), 32), 4, 1, True
+        return min(triton.next_power_of_2(V), 32), 4, 1, True, False
     if tokens >= 2 * max(N, 1):
-        return min(triton.next_power_of_2(V), 2 * rows), 1, 1, True
+        return min(triton.next_power_of_2(V), 2 * rows), 1, 1, True, N * HV > 256
     if N * HV <= 256:
-        return rows, 1, 2, True
-    if N * HV <= 2048:
-        return max(1, rows // 2), 1, 2, False
-    return rows, 1, 4, True
+        return max(1, rows // 2), 1, 2, False, True
+    return rows, 1, 1, True, True
 
 
 def _strides4(t):
@@ -177,7 +186,8 @@ def recurrent_forward_triton(q, k, v, g, beta, state, slot_indices, out, *, cu_s
                              A_log, dt_bias, lower_bound, beta_mode, num_accepted_tokens, token_states,
                              write_final_state, final_states, padding_rows=True, config=None):
     """``state``, ``token_states``, ``final_states`` are V-major views of any strides
-    (``[.., HV, V, K]``); ``config = (BLOCK_V, num_warps[, V_TILES[, PREFETCH_TILE]])`` overrides the pinned choice."""
+    (``[.., HV, V, K]``); ``config = (BLOCK_V, num_warps[, V_TILES[, PREFETCH_TILE[, TILES_FIRST]]])``
+    overrides the pinned choice."""
     _, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = cu_seqlens.numel() - 1 if cu_seqlens is not None else 1
@@ -186,9 +196,11 @@ def recurrent_forward_triton(q, k, v, g, beta, state, slot_indices, out, *, cu_s
     block_v, num_warps, *tiles = config or _launch_config(N, HV, V, K, q.shape[1], k_major=state.stride(-1) != 1)
     v_tiles = tiles[0] if tiles else 1
     prefetch_tile = bool(tiles[1]) if len(tiles) > 1 else True
+    tiles_first = bool(tiles[2]) if len(tiles) > 2 else False
     per_token = slot_indices.dim() == 2
     dummy = slot_indices  # never read: its constexpr flag is off
-    grid = (N, HV, triton.cdiv(V, block_v * v_tiles))
+    v_programs = triton.cdiv(V, block_v * v_tiles)
+    grid = (N * HV * v_programs,) if tiles_first else (N, HV, v_programs)
     _recurrent_forward(
         grid,
         (q, k, v, g, beta, A_log if A_log is not None else q, dt_bias if dt_bias is not None else q, out, state,
@@ -206,7 +218,8 @@ def recurrent_forward_triton(q, k, v, g, beta, state, slot_indices, out, *, cu_s
              HAS_NUM_ACCEPTED=num_accepted_tokens is not None, WRITE_STATE=bool(write_final_state),
              HAS_TOKEN_STATES=token_states is not None, HAS_FINAL_STATES=final_states is not None,
              USE_QK_L2NORM=bool(use_qk_l2norm), GATE_IN_KERNEL=A_log is not None,
-             SAFE_GATE=lower_bound is not None, BETA_MODE=int(beta_mode), PADDING_ROWS=bool(padding_rows)),
+             SAFE_GATE=lower_bound is not None, BETA_MODE=int(beta_mode), PADDING_ROWS=bool(padding_rows),
+             TILES_FIRST=tiles_first, V_PROGRAMS=v_programs),
         num_warps=num_warps, num_stages=1)
     return out
 

@@ -46,6 +46,13 @@ def gated_rmsnorm_rows(o, gate, weight, eps, V: tl.constexpr):
 
 
 @triton.jit
+def gated_rmsnorm_tile(o, gate, weight, eps, V: tl.constexpr):
+    """o, gate [ROWS, BLOCK_V] (full rows of V, masked lanes zero), weight [BLOCK_V]."""
+    inv_rms = 1.0 / tl.sqrt(tl.sum(o * o, axis=1) / V + eps)
+    return o * inv_rms[:, None] * weight[None, :] * tl.sigmoid(gate)
+
+
+@triton.jit
 def conv_inputs(x_ptrs, win_ptrs, w_ptrs, bias_ptrs, stride_tap, mask, live,
                 W: tl.constexpr, BLOCK_TAPS: tl.constexpr, HAS_BIAS: tl.constexpr):
     """The loads of one token of the causal short conv for a block of channels, apart from
