@@ -287,11 +287,9 @@ CHAIN_SWEEP = [("conv", c) for c in ((128, 1), (512, 4), (1024, 4), (64, 1))] + 
                             (4, 2, 1, 1, ""))]
 
 
-# The dependent chain with its norm over several rows a program (ROWS, num_warps).
-CHAIN_VARIANTS = {
-    "norm rows 1x1": dict(norm_config=(1, 1)), "norm rows 4x2": dict(norm_config=(4, 2)),
-    "norm rows 8x4": dict(norm_config=(8, 4)), "norm rows 16x8": dict(norm_config=(16, 8)),
-}
+# The dependent chain with its norm over several rows a program (ROWS, num_warps); the
+# op pins 8 rows past 2048 rows (kdakit/ops/gated_rmsnorm.py).
+CHAIN_VARIANTS = {"norm rows 1x1": dict(norm_config=(1, 1)), "norm rows 8x4": dict(norm_config=(8, 4))}
 
 
 def config_name(config, norm):
