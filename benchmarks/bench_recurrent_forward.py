@@ -224,7 +224,22 @@ def layer_bytes(N, T, H, HV, K, V, act_bytes=2, state_bytes=4):
     return state + tokens
 
 
-def timings(results, sweep: bool, quick: bool, configs=None):
+def with_kmajor_config(config, fn):
+    """``fn`` (the fla drop-in) with its launch config for K-major pools replaced by ``config``."""
+    from kdakit.ops import recurrent_forward as module
+
+    def call(**kw):
+        pinned = module._launch_config
+        module._launch_config = lambda N, HV, V, K, tokens, k_major=False: (
+            tuple(config) if k_major else pinned(N, HV, V, K, tokens, k_major))
+        try:
+            return fn(**kw)
+        finally:
+            module._launch_config = pinned
+    return call
+
+
+def timings(results, sweep: bool, quick: bool, configs=None, kmajor_configs=()):
     ceiling = results["copy_ceiling_GBps"]
     H = HV = 32
     K = V = 128
@@ -251,6 +266,9 @@ def timings(results, sweep: bool, quick: bool, configs=None):
             t = harness.graph_time_us([kdakit_call(layer, config=cfg) for layer in layers])
             results["rows"].append(harness.row(name, t, moved, ceiling, **base, err=round(err, 7)))
         peers = [("kdakit-compat", lambda layer: public_call(layer, compat_fused_recurrent_kda))]
+        peers += [("kdakit-compat-" + "x".join(map(str, c)),
+                   lambda layer, c=c: public_call(layer, with_kmajor_config(c, compat_fused_recurrent_kda)))
+                  for c in kmajor_configs]
         try:
             from fla.ops.kda.fused_recurrent import fused_recurrent_kda as fla_fused_recurrent_kda
             peers.append(("fla", lambda layer: public_call(layer, fla_fused_recurrent_kda)))
@@ -283,12 +301,14 @@ def main():
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--name", default="recurrent_forward_h200")
     parser.add_argument("--configs", help="BLOCK_VxWARPSxV_TILESxPREFETCHxTILES_FIRST,... (kdakit variants to time)")
+    parser.add_argument("--kmajor-configs", help="the same for the fla drop-in on fla's K-major states")
     args = parser.parse_args()
     results = harness.new_results()
     correctness(results)
     bad = [c for c in results["checks"] if not c["ok"]]
     configs = [tuple(int(x) for x in c.split("x")) for c in args.configs.split(",")] if args.configs else None
-    timings(results, args.sweep, args.quick, configs)
+    kmajor = [tuple(int(x) for x in c.split("x")) for c in args.kmajor_configs.split(",")] if args.kmajor_configs else ()
+    timings(results, args.sweep, args.quick, configs, kmajor)
     harness.close_results(results)
     path = harness.save(results, args.name)
     print(f"copy ceiling {results['copy_ceiling_GBps']} GB/s (end {results['copy_ceiling_GBps_end']}); saved {path}")

@@ -236,3 +236,14 @@ def test_fwd_not_inplace_per_sequence_and_errors(backend):
                                 cu_seqlens=cu)
     assert "state_v_first=True" in str(e.value)
     assert torch.equal(h0, before)
+
+
+def test_identity_slots_cached_and_grown():
+    """Sequence n uses state n: one cached arange per device, grown when a batch is larger."""
+    from kdakit.compat.fla import identity_slots
+    small = identity_slots(torch.device("cpu"), 3)
+    assert small.tolist() == [0, 1, 2] and small.dtype == torch.int32
+    again = identity_slots(torch.device("cpu"), 5)
+    assert again.data_ptr() == small.data_ptr(), "no new tensor while the cached one is long enough"
+    big = identity_slots(torch.device("cpu"), 5000)
+    assert torch.equal(big, torch.arange(5000, dtype=torch.int32))

@@ -34,6 +34,20 @@ import torch
 from .. import contracts
 from ..ops.recurrent_forward import BETA_AS_IS, BETA_SIGMOID, BETA_SIGMOID_X2, run_recurrent_forward
 
+_IDENTITY_SLOTS: dict = {}
+
+
+def identity_slots(device: torch.device, count: int) -> torch.Tensor:
+    """``[0, 1, .., count-1]`` int32 on ``device``: sequence n uses state n. Kept per device
+    and grown by doubling, never freed, so a call launches no kernel to build it once it
+    exists (a CUDA graph captured with it keeps its address)."""
+    cached = _IDENTITY_SLOTS.get(device)
+    if cached is None or cached.numel() < count:
+        cached = torch.arange(max(count, 2 * cached.numel() if cached is not None else 1024), device=device,
+                              dtype=torch.int32)
+        _IDENTITY_SLOTS[device] = cached
+    return cached[:count]
+
 
 def _v_major(t, state_v_first):
     """A ``[.., K, V]`` tensor as the V-major view the kernel addresses."""
@@ -123,7 +137,7 @@ def fused_recurrent_kda_fwd(
             if initial_state.dim() == 4 and initial_state.shape[0] != N:
                 raise ValueError(f"The number of initial states is expected to be equal to the number of input "
                                  f"sequences, i.e., {N} rather than {initial_state.shape[0]}.")
-            slots = torch.arange(N, device=q.device, dtype=torch.int32)
+            slots = identity_slots(q.device, N)
         else:
             slots = ssm_state_indices
     else:
@@ -139,7 +153,7 @@ def fused_recurrent_kda_fwd(
                 if initial_state.dim() == 4 and initial_state.shape[0] != N:
                     raise ValueError(f"The number of initial states is expected to be equal to the number of "
                                      f"input sequences, i.e., {N} rather than {initial_state.shape[0]}.")
-                slots = torch.arange(N, device=q.device, dtype=torch.int32)
+                slots = identity_slots(q.device, N)
             else:
                 slots = ssm_state_indices
         final_state = None

@@ -165,11 +165,14 @@ def _launch_config(N: int, HV: int, V: int, K: int, tokens: int, k_major: bool =
     T = 1, N = 64 72.3-73.1 us against 75.8-76.8 in (sequence, head, tile) order, N = 256 272.8
     against 297.6-311.5; T = 4, N = 256 411.2 against 433.6; T = 16, N = 64 338.6 against
     351.2; at T = 4 and 16, N = 8 0.2-1.9 us slower, not taken). A K-major
-    pool (fla's layout, a transposed view) is contiguous along V: 32-row tiles over 4 warps
-    keep its loads coalesced."""
+    pool (fla's layout, a transposed view) is contiguous along V: 32-row tiles (128 bytes of
+    V per key) on one warp, in the same launch order (recurrent_forward_kmajor_sweep*_h200.json,
+    fla's fused_recurrent_kda through kdakit.compat.fla: T = 1, N = 64 80.2 us against 91.1 on
+    4 warps in (sequence, head, tile) order; T = 16, N = 256 1188 against 1985; 8- and 16-row
+    tiles, 2 tiles a program, 2-8 warps all slower)."""
     rows = max(1, min(triton.next_power_of_2(V), 4096 // (triton.next_power_of_2(K) * 4)))
     if k_major:
-        return min(triton.next_power_of_2(V), 32), 4, 1, True, False
+        return min(triton.next_power_of_2(V), 32), 1, 1, True, True
     if tokens >= 2 * max(N, 1):
         return min(triton.next_power_of_2(V), 2 * rows), 1, 1, True, N * HV > 256
     if N * HV <= 256:
