@@ -79,6 +79,30 @@ def test_public_varlen_against_fla_naive(backend, state_v_first, gate):
     assert torch.equal(h0, h0_before), "fused_recurrent_kda never updates initial_state"
 
 
+@pytest.mark.parametrize("first,last", [(2, 7), (0, 6), (1, 9)], ids=["both-ends", "tail", "head"])
+def test_public_rows_outside_cu_seqlens_are_zero(backend, first, last, monkeypatch):
+    """fla allocates ``o`` zeroed; kdakit allocates it uninitialized and writes the rows of
+    tokens before the first sequence and after the last as zeros itself."""
+    gen = torch.Generator().manual_seed(23)
+    H, HV, K, V, T = 1, 2, 16, 24, 9
+    q, k, v, g, b = inputs(H, HV, K, V, T, gen)
+    cu = torch.tensor([first, first + 2, last], dtype=torch.int64)
+    g = -torch.rand_like(g)
+    h0 = torch.randn(2, HV, K, V, generator=gen)
+    real_empty_like = torch.empty_like
+    # uninitialized memory that is not zero by chance
+    monkeypatch.setattr(torch, "empty_like", lambda x, **kw: real_empty_like(x, **kw).fill_(POISON))
+    o, _ = fused_recurrent_kda(q, k, v, g, b, initial_state=h0, cu_seqlens=cu, use_qk_l2norm_in_kernel=True,
+                               use_beta_sigmoid_in_kernel=True)
+    monkeypatch.setattr(torch, "empty_like", real_empty_like)
+    assert torch.equal(o[0, :first], torch.zeros_like(o[0, :first])), "rows before the first sequence are zero"
+    assert torch.equal(o[0, last:], torch.zeros_like(o[0, last:])), "rows after the last sequence are zero"
+    assert bool(torch.isfinite(o[0, first:last]).all()) and bool((o[0, first:last] != POISON).all())
+    if first == 0:
+        o_fla, _, _ = fla_varlen(q, k, v, g, torch.sigmoid(b), cu, list(h0), use_qk_l2norm=True)
+        assert_close(o[:, :last], o_fla[:, :last], 1e-5, "covered rows")
+
+
 def test_public_equal_length_batch_no_state_and_neg_eigval(backend):
     gen = torch.Generator().manual_seed(21)
     B, T, H, HV, K, V = 2, 3, 1, 2, 16, 16

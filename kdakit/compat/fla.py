@@ -94,8 +94,9 @@ def fused_recurrent_kda_fwd(
         scale = k.shape[-1] ** -0.5
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    if out is None:
-        out = torch.zeros_like(v)
+    own_out = out is None
+    if own_out:  # zero outside cu_seqlens, as fla's zeros_like; the kernel writes those rows
+        out = torch.empty_like(v)
     if beta.dim() == v.dim():
         raise ValueError("A per-value-channel (headwise) `beta` [B, T, HV, V] is not supported by kdakit; "
                          "pass beta [B, T, HV].")
@@ -171,7 +172,8 @@ def fused_recurrent_kda_fwd(
                           scale=scale, use_qk_l2norm=use_qk_l2norm_in_kernel, A_log=A_log, dt_bias=dt_bias,
                           lower_bound=lower_bound, beta_mode=beta_mode, num_accepted_tokens=num_accepted_tokens,
                           token_states=_v_major(token_states, state_v_first), write_final_state=write,
-                          final_states=_v_major(final_states, state_v_first), padding_rows=False)
+                          final_states=_v_major(final_states, state_v_first), padding_rows=False,
+                          zero_uncovered=own_out)
     return out, final_state
 
 

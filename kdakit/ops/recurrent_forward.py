@@ -41,7 +41,7 @@ def _load_state_tile(head_state, offs_v, offs_k, stride_v, stride_k, mask):
 @triton.jit
 def _recurrent_forward_kernel(
     q, k, v, g, beta, A_log, dt_bias, out, state, slot_indices, num_accepted, cu_seqlens, token_states, final_states,
-    T,
+    T, num_seqs,
     stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_g_t, stride_g_h,
     stride_b_t, stride_b_h, stride_o_t, stride_o_h,
     stride_s_slot, stride_s_h, stride_s_v, stride_s_k,
@@ -55,6 +55,7 @@ def _recurrent_forward_kernel(
     WRITE_STATE: tl.constexpr, HAS_TOKEN_STATES: tl.constexpr, HAS_FINAL_STATES: tl.constexpr,
     USE_QK_L2NORM: tl.constexpr, GATE_IN_KERNEL: tl.constexpr, SAFE_GATE: tl.constexpr, BETA_MODE: tl.constexpr,
     PADDING_ROWS: tl.constexpr, TILES_FIRST: tl.constexpr, V_PROGRAMS: tl.constexpr,
+    ZERO_UNCOVERED: tl.constexpr,
 ):
     if TILES_FIRST:
         # One flat grid, a sequence's heads and V tiles next to each other in launch order:
@@ -142,6 +143,23 @@ def _recurrent_forward_kernel(
                              mask=(slot_t >= 0) & keep & mask_s)
             t += 1
 
+        if ZERO_UNCOVERED:
+            # ``out`` was allocated for this call: the rows of tokens before the first
+            # sequence and after the last are zero (as a zeroed allocation would leave them)
+            # without a memset kernel of their own.
+            if i_n == 0:
+                t = bos * 0
+                while t < bos:
+                    tl.store(out + t * stride_o_t + i_hv * stride_o_h + offs_v, tl.zeros_like(offs_v).to(
+                        out.dtype.element_ty), mask=mask_v)
+                    t += 1
+            if i_n == num_seqs - 1:
+                t = eos
+                while t < T:
+                    tl.store(out + t * stride_o_t + i_hv * stride_o_h + offs_v, tl.zeros_like(offs_v).to(
+                        out.dtype.element_ty), mask=mask_v)
+                    t += 1
+
         if not PER_TOKEN_SLOTS:
             if WRITE_STATE:
                 tl.store(state + slot * stride_s_slot + tile, S.to(state.dtype.element_ty), mask=(slot >= 0) & mask_s)
@@ -187,10 +205,12 @@ def _strides4(t):
 @register("recurrent_forward", "triton")
 def recurrent_forward_triton(q, k, v, g, beta, state, slot_indices, out, *, cu_seqlens, scale, use_qk_l2norm,
                              A_log, dt_bias, lower_bound, beta_mode, num_accepted_tokens, token_states,
-                             write_final_state, final_states, padding_rows=True, config=None):
+                             write_final_state, final_states, padding_rows=True, zero_uncovered=False,
+                             config=None):
     """``state``, ``token_states``, ``final_states`` are V-major views of any strides
     (``[.., HV, V, K]``); ``config = (BLOCK_V, num_warps[, V_TILES[, PREFETCH_TILE[, TILES_FIRST]]])``
-    overrides the pinned choice."""
+    overrides the pinned choice. ``zero_uncovered``: ``out`` rows of tokens outside
+    ``cu_seqlens`` are written zero (``out`` allocated uninitialized for this call)."""
     _, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = cu_seqlens.numel() - 1 if cu_seqlens is not None else 1
@@ -210,7 +230,7 @@ def recurrent_forward_triton(q, k, v, g, beta, state, slot_indices, out, *, cu_s
          slot_indices, num_accepted_tokens if num_accepted_tokens is not None else dummy,
          cu_seqlens if cu_seqlens is not None else dummy,
          token_states if token_states is not None else state, final_states if final_states is not None else state,
-         T,
+         T, N,
          q.stride(1), q.stride(2), k.stride(1), k.stride(2), v.stride(1), v.stride(2), g.stride(1), g.stride(2),
          beta.stride(1), beta.stride(2), out.stride(1), out.stride(2),
          *state.stride(), *_strides4(token_states), *_strides4(final_states),
@@ -222,7 +242,8 @@ def recurrent_forward_triton(q, k, v, g, beta, state, slot_indices, out, *, cu_s
              HAS_TOKEN_STATES=token_states is not None, HAS_FINAL_STATES=final_states is not None,
              USE_QK_L2NORM=bool(use_qk_l2norm), GATE_IN_KERNEL=A_log is not None,
              SAFE_GATE=lower_bound is not None, BETA_MODE=int(beta_mode), PADDING_ROWS=bool(padding_rows),
-             TILES_FIRST=tiles_first, V_PROGRAMS=v_programs),
+             TILES_FIRST=tiles_first, V_PROGRAMS=v_programs,
+             ZERO_UNCOVERED=bool(zero_uncovered) and cu_seqlens is not None),
         num_warps=num_warps, num_stages=1)
     return out
 
@@ -230,9 +251,12 @@ def recurrent_forward_triton(q, k, v, g, beta, state, slot_indices, out, *, cu_s
 @register("recurrent_forward", "reference")
 def recurrent_forward_reference(q, k, v, g, beta, state, slot_indices, out, *, cu_seqlens, scale, use_qk_l2norm,
                                 A_log, dt_bias, lower_bound, beta_mode, num_accepted_tokens, token_states,
-                                write_final_state, final_states, padding_rows=True):
+                                write_final_state, final_states, padding_rows=True, zero_uncovered=False):
     if beta_mode == BETA_SIGMOID_X2:
         beta = 2.0 * torch.sigmoid(beta.float())
+    if zero_uncovered and cu_seqlens is not None:
+        out[0, :int(cu_seqlens[0])] = 0
+        out[0, int(cu_seqlens[-1]):] = 0
     return reference.recurrent_forward(
         q, k, v, g, beta, state, slot_indices, out, cu_seqlens=cu_seqlens, scale=scale, use_qk_l2norm=use_qk_l2norm,
         A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, beta_is_logit=beta_mode == BETA_SIGMOID,
@@ -243,11 +267,13 @@ def recurrent_forward_reference(q, k, v, g, beta, state, slot_indices, out, *, c
 def run_recurrent_forward(q, k, v, g, beta, state, slot_indices, out, *, cu_seqlens=None, scale=None,
                           use_qk_l2norm=True, A_log=None, dt_bias=None, lower_bound=None, beta_mode=BETA_AS_IS,
                           num_accepted_tokens=None, token_states=None, write_final_state=True, final_states=None,
-                          padding_rows=True, backend=None):
+                          padding_rows=True, zero_uncovered=False, backend=None):
     """Dispatch after validation (callers check first). ``state``, ``token_states`` and
     ``final_states`` are V-major ``[.., HV, V, K]`` views of any strides; ``final_states
     [N, HV, V, K]`` receives each sequence's final state (fla's non-in-place output).
-    ``padding_rows=False``: a slot < 0 is a zero initial state (fla), not a padding row."""
+    ``padding_rows=False``: a slot < 0 is a zero initial state (fla), not a padding row.
+    ``zero_uncovered``: ``out`` was allocated uninitialized for this call; the rows of
+    tokens outside ``cu_seqlens`` are written zero."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if A_log is not None:
         dt_bias = dt_bias.reshape(-1)
@@ -255,7 +281,8 @@ def run_recurrent_forward(q, k, v, g, beta, state, slot_indices, out, *, cu_seql
     return impl(q, k, v, g, beta, state, slot_indices, out, cu_seqlens=cu_seqlens, scale=scale,
                 use_qk_l2norm=use_qk_l2norm, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
                 beta_mode=beta_mode, num_accepted_tokens=num_accepted_tokens, token_states=token_states,
-                write_final_state=write_final_state, final_states=final_states, padding_rows=padding_rows)
+                write_final_state=write_final_state, final_states=final_states, padding_rows=padding_rows,
+                zero_uncovered=zero_uncovered)
 
 
 def recurrent_forward(q, k, v, g, beta, state, slot_indices, *, cu_seqlens=None, scale=None, use_qk_l2norm=True,
