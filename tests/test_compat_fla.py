@@ -271,3 +271,12 @@ def test_identity_slots_cached_and_grown():
     assert again.data_ptr() == small.data_ptr(), "no new tensor while the cached one is long enough"
     big = identity_slots(torch.device("cpu"), 5000)
     assert torch.equal(big, torch.arange(5000, dtype=torch.int32))
+
+
+def test_public_no_sequence_gives_zero_rows(backend):
+    """cu_seqlens of no sequence: every row of the allocated ``o`` is outside, so zero."""
+    gen = torch.Generator().manual_seed(24)
+    q, k, v, g, b = inputs(1, 2, 16, 16, 4, gen)
+    o, ht = fused_recurrent_kda(q, k, v, -torch.rand_like(g), b, cu_seqlens=torch.tensor([2], dtype=torch.int64),
+                                output_final_state=True)
+    assert torch.equal(o, torch.zeros_like(o)) and ht.shape[0] == 0

@@ -32,6 +32,7 @@ import warnings
 import torch
 
 from .. import contracts
+from ..ops.launch import capturing
 from ..ops.recurrent_forward import BETA_AS_IS, BETA_SIGMOID, BETA_SIGMOID_X2, run_recurrent_forward
 
 _IDENTITY_SLOTS: dict = {}
@@ -40,12 +41,15 @@ _IDENTITY_SLOTS: dict = {}
 def identity_slots(device: torch.device, count: int) -> torch.Tensor:
     """``[0, 1, .., count-1]`` int32 on ``device``: sequence n uses state n. Kept per device
     and grown by doubling, never freed, so a call launches no kernel to build it once it
-    exists (a CUDA graph captured with it keeps its address)."""
+    exists (a CUDA graph captured with it keeps its address). One first needed while a
+    graph is being captured is that graph's own (filled when it replays), not kept."""
     cached = _IDENTITY_SLOTS.get(device)
     if cached is None or cached.numel() < count:
-        cached = torch.arange(max(count, 2 * cached.numel() if cached is not None else 1024), device=device,
-                              dtype=torch.int32)
-        _IDENTITY_SLOTS[device] = cached
+        fresh = torch.arange(max(count, 2 * cached.numel() if cached is not None else 1024), device=device,
+                             dtype=torch.int32)
+        if capturing(device):
+            return fresh[:count]
+        cached = _IDENTITY_SLOTS[device] = fresh
     return cached[:count]
 
 

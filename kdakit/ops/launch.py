@@ -133,10 +133,20 @@ def arrival_counters(device: torch.device, count: int) -> torch.Tensor:
     arrivals on them resets what it used), one set per (device, stream) so that two
     streams never share one. A set is never freed: a CUDA graph captured with it keeps
     its address even after a larger batch grew a new set. Graphs captured on one stream
-    share its set: replay them one at a time, not concurrently on several streams."""
+    share its set: replay them one at a time, not concurrently on several streams.
+    A set first needed while a graph is being captured belongs to that graph alone (its
+    zeroing is a node of the graph, not run at capture): it is not kept for later calls."""
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     sets = _COUNTERS.setdefault((device, stream), [])
     if not sets or sets[-1].numel() < count:
-        sets.append(torch.zeros(max(count, 2 * sets[-1].numel() if sets else 1024), dtype=torch.int32,
-                                device=device))
+        fresh = torch.zeros(max(count, 2 * sets[-1].numel() if sets else 1024), dtype=torch.int32, device=device)
+        if capturing(device):
+            return fresh
+        sets.append(fresh)
     return sets[-1]
+
+
+def capturing(device: torch.device) -> bool:
+    """Whether the current stream of ``device`` is capturing a CUDA graph: what a kernel
+    would write now is only recorded, so a buffer made now is not valid outside that graph."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()

@@ -215,7 +215,7 @@ def recurrent_forward_triton(q, k, v, g, beta, state, slot_indices, out, *, cu_s
     HV, V = v.shape[2], v.shape[3]
     N = cu_seqlens.numel() - 1 if cu_seqlens is not None else 1
     if N == 0 or HV == 0:
-        return out
+        return out.zero_() if zero_uncovered else out  # no sequence: every row is outside
     block_v, num_warps, *tiles = config or _launch_config(N, HV, V, K, q.shape[1], k_major=state.stride(-1) != 1)
     v_tiles = tiles[0] if tiles else 1
     prefetch_tile = bool(tiles[1]) if len(tiles) > 1 else True
