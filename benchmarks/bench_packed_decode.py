@@ -1,6 +1,6 @@
 """Packed decode on the GPU: correctness at real sizes, CUDA-graph capture, then timings.
 
-    python benchmarks/bench_packed_decode.py [--sweep] [--quick]
+    python benchmarks/bench_packed_decode.py [--sweep] [--quick] [--configs 8x1x1,...] [--batches 1,32]
 
 Checks every variant against the float64 reference before timing it; times
 kdakit (pinned config, and a config sweep with --sweep), fla-core's serving path

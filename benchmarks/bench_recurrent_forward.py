@@ -1,6 +1,6 @@
 """Varlen recurrent forward on the GPU: correctness at real sizes, then timings against fla.
 
-    python benchmarks/bench_recurrent_forward.py [--sweep] [--quick]
+    python benchmarks/bench_recurrent_forward.py [--sweep] [--quick] [--configs ...] [--kmajor-configs ...]
 
 Checks every variant against the float64 reference before timing it (varlen batches,
 padding slots, 2-D per-token slots with num_accepted_tokens, token states, bf16 pools,
@@ -246,7 +246,7 @@ def timings(results, sweep: bool, quick: bool, configs=None, kmajor_configs=()):
     sizes = [(N, T) for T in (1, 4, 16) for N in (8, 64, 256)]
     if quick:
         sizes = [(8, 1), (64, 1), (256, 1)]
-    # (BLOCK_V, num_warps, V_TILES, PREFETCH_TILE)
+    # (BLOCK_V, num_warps, V_TILES, PREFETCH_TILE[, TILES_FIRST])
     configs = configs or ([(16, 1, 1, 1), (8, 1, 1, 1), (8, 1, 2, 0), (8, 1, 4, 0), (4, 1, 2, 0), (4, 1, 4, 1),
                            (8, 1, 2, 1), (8, 1, 4, 1)] if sweep else [])
     for N, T in sizes:

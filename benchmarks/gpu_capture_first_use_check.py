@@ -71,11 +71,16 @@ def run(name, case) -> bool:
     call, expected, empty_cache = case()
     torch.cuda.synchronize()
     empty_cache()
+    # The caches are kept per (device, stream): the captures and the eager call share one stream.
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
     graphs, captured = [torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()], []
-    for graph in graphs:  # both on the default capture stream, the buffer first needed in the first
-        with torch.cuda.graph(graph):
+    for graph in graphs:  # the buffer first needed in the first
+        with torch.cuda.graph(graph, stream=stream):
             captured.append(call())
-    results = {"eager-after-captures": [t.clone() for t in call()]}  # before any replay
+    with torch.cuda.stream(stream):
+        results = {"eager-after-captures": [t.clone() for t in call()]}  # before any replay
+    torch.cuda.synchronize()
     for i in (1, 0):  # the second graph replayed before the first ever was
         graphs[i].replay()
         torch.cuda.synchronize()

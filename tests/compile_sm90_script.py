@@ -83,6 +83,12 @@ cu = torch.tensor([0, 2, 5], dtype=torch.int32)
 kdakit.recurrent_forward(rnd(1, 5, H, K), rnd(1, 5, H, K), rnd(1, 5, HV, V), rnd(1, 5, HV, K), rnd(1, 5, HV),
                          state, torch.tensor([0, 2], dtype=torch.int32), cu_seqlens=cu, A_log=A_log,
                          dt_bias=dt_bias, beta_is_logit=True, backend="triton")
+for n_seq in (3, 130):  # one-token sequences: two tiles a program up to 256 pairs, one tile beyond
+    kdakit.recurrent_forward(rnd(1, n_seq, H, K), rnd(1, n_seq, H, K), rnd(1, n_seq, HV, V), rnd(1, n_seq, HV, K),
+                             rnd(1, n_seq, HV), state, torch.arange(n_seq, dtype=torch.int32) % slots,
+                             cu_seqlens=torch.arange(n_seq + 1, dtype=torch.int32), A_log=A_log, dt_bias=dt_bias,
+                             beta_is_logit=True, backend="triton")
+kdakit.gated_rmsnorm(rnd(4096, V), rnd(4096, V), torch.rand(V), backend="triton")  # 8 rows a program
 from kdakit.compat.fla import fused_recurrent_kda  # noqa: E402  (K-major pool, zero initial states)
 os.environ["KDAKIT_BACKEND"] = "triton"  # the compat entry has no backend argument
 fused_recurrent_kda(rnd(1, 5, H, K), rnd(1, 5, H, K), rnd(1, 5, HV, V), rnd(1, 5, HV, K, dtype=torch.float32),

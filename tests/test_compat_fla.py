@@ -79,21 +79,30 @@ def test_public_varlen_against_fla_naive(backend, state_v_first, gate):
     assert torch.equal(h0, h0_before), "fused_recurrent_kda never updates initial_state"
 
 
-@pytest.mark.parametrize("first,last", [(2, 7), (0, 6), (1, 9)], ids=["both-ends", "tail", "head"])
-def test_public_rows_outside_cu_seqlens_are_zero(backend, first, last, monkeypatch):
+@pytest.mark.parametrize("cu,state_v_first,V", [
+    pytest.param([2, 4, 7], False, 24, id="both-ends-kmajor"),
+    pytest.param([0, 2, 6], False, 80, id="tail-kmajor-3-programs"),
+    pytest.param([1, 3, 9], False, 24, id="head-kmajor"),
+    pytest.param([0, 1, 2, 3, 4, 5], True, 40, id="tail-vmajor-one-token-2-tiles"),
+])
+def test_public_rows_outside_cu_seqlens_are_zero(backend, cu, state_v_first, V, monkeypatch):
     """fla allocates ``o`` zeroed; kdakit allocates it uninitialized and writes the rows of
-    tokens before the first sequence and after the last as zeros itself."""
+    tokens before the first sequence and after the last as zeros itself (in every V tile of
+    every program). A first sequence past token 0 passes only the default checks."""
+    monkeypatch.delenv("KDAKIT_CHECKS", raising=False)
     gen = torch.Generator().manual_seed(23)
-    H, HV, K, V, T = 1, 2, 16, 24, 9
+    H, HV, K, T = 1, 2, 16, 9
     q, k, v, g, b = inputs(H, HV, K, V, T, gen)
-    cu = torch.tensor([first, first + 2, last], dtype=torch.int64)
+    first, last = cu[0], cu[-1]
+    cu = torch.tensor(cu, dtype=torch.int64)
     g = -torch.rand_like(g)
-    h0 = torch.randn(2, HV, K, V, generator=gen)
+    h0 = torch.randn(cu.numel() - 1, HV, K, V, generator=gen)
     real_empty_like = torch.empty_like
     # uninitialized memory that is not zero by chance
     monkeypatch.setattr(torch, "empty_like", lambda x, **kw: real_empty_like(x, **kw).fill_(POISON))
-    o, _ = fused_recurrent_kda(q, k, v, g, b, initial_state=h0, cu_seqlens=cu, use_qk_l2norm_in_kernel=True,
-                               use_beta_sigmoid_in_kernel=True)
+    o, _ = fused_recurrent_kda(q, k, v, g, b, initial_state=h0.transpose(-1, -2).contiguous() if state_v_first
+                               else h0, cu_seqlens=cu, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                               state_v_first=state_v_first)
     monkeypatch.setattr(torch, "empty_like", real_empty_like)
     assert torch.equal(o[0, :first], torch.zeros_like(o[0, :first])), "rows before the first sequence are zero"
     assert torch.equal(o[0, last:], torch.zeros_like(o[0, last:])), "rows after the last sequence are zero"
@@ -263,18 +272,23 @@ def test_fwd_not_inplace_per_sequence_and_errors(backend):
 
 
 def test_identity_slots_cached_and_grown():
-    """Sequence n uses state n: one cached arange per device, grown when a batch is larger."""
-    from kdakit.compat.fla import identity_slots
-    small = identity_slots(torch.device("cpu"), 3)
+    """Sequence n uses state n: one cached arange per (device, stream), grown when a batch is
+    larger; the smaller one is kept (a graph captured with it still reads it)."""
+    from kdakit.compat import fla as compat
+    compat._IDENTITY_SLOTS.clear()
+    small = compat.identity_slots(torch.device("cpu"), 3)
     assert small.tolist() == [0, 1, 2] and small.dtype == torch.int32
-    again = identity_slots(torch.device("cpu"), 5)
+    again = compat.identity_slots(torch.device("cpu"), 5)
     assert again.data_ptr() == small.data_ptr(), "no new tensor while the cached one is long enough"
-    big = identity_slots(torch.device("cpu"), 5000)
+    big = compat.identity_slots(torch.device("cpu"), 5000)
     assert torch.equal(big, torch.arange(5000, dtype=torch.int32))
+    kept = compat._IDENTITY_SLOTS[(torch.device("cpu"), 0)]
+    assert kept[0].data_ptr() == small.data_ptr() and kept[-1].data_ptr() == big.data_ptr()
 
 
-def test_public_no_sequence_gives_zero_rows(backend):
+def test_public_no_sequence_gives_zero_rows(backend, monkeypatch):
     """cu_seqlens of no sequence: every row of the allocated ``o`` is outside, so zero."""
+    monkeypatch.delenv("KDAKIT_CHECKS", raising=False)
     gen = torch.Generator().manual_seed(24)
     q, k, v, g, b = inputs(1, 2, 16, 16, 4, gen)
     o, ht = fused_recurrent_kda(q, k, v, -torch.rand_like(g), b, cu_seqlens=torch.tensor([2], dtype=torch.int64),

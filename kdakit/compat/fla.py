@@ -35,22 +35,23 @@ from .. import contracts
 from ..ops.launch import capturing
 from ..ops.recurrent_forward import BETA_AS_IS, BETA_SIGMOID, BETA_SIGMOID_X2, run_recurrent_forward
 
-_IDENTITY_SLOTS: dict = {}
+_IDENTITY_SLOTS: dict = {}  # (device, stream) -> aranges, the largest last; never freed
 
 
 def identity_slots(device: torch.device, count: int) -> torch.Tensor:
-    """``[0, 1, .., count-1]`` int32 on ``device``: sequence n uses state n. Kept per device
-    and grown by doubling, never freed, so a call launches no kernel to build it once it
-    exists (a CUDA graph captured with it keeps its address). One first needed while a
-    graph is being captured is that graph's own (filled when it replays), not kept."""
-    cached = _IDENTITY_SLOTS.get(device)
-    if cached is None or cached.numel() < count:
-        fresh = torch.arange(max(count, 2 * cached.numel() if cached is not None else 1024), device=device,
-                             dtype=torch.int32)
+    """``[0, 1, .., count-1]`` int32 on ``device``: sequence n uses state n. Kept per (device,
+    stream) and grown by doubling; a smaller one is never freed (a CUDA graph captured with
+    it keeps reading its address), so a call launches no kernel to build one once it exists.
+    One first needed while a graph is being captured is that graph's own (filled when it
+    replays), not kept."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    kept = _IDENTITY_SLOTS.setdefault((device, stream), [])
+    if not kept or kept[-1].numel() < count:
+        fresh = torch.arange(max(count, 2 * kept[-1].numel() if kept else 1024), device=device, dtype=torch.int32)
         if capturing(device):
             return fresh[:count]
-        cached = _IDENTITY_SLOTS[device] = fresh
-    return cached[:count]
+        kept.append(fresh)
+    return kept[-1][:count]
 
 
 def _v_major(t, state_v_first):

@@ -180,8 +180,8 @@ def _launch_config(N: int, HV: int, V: int, K: int, tokens: int, k_major: bool =
     256 (sequence, head) pairs, one 4 KB tile beyond. A sequence's programs run next to each
     other in launch order (TILES_FIRST) for one-token sequences, and past 256 pairs for
     longer ones (recurrent_forward_tiles_first_h200.json, recurrent_forward_tiles_first_final_h200.json:
-    T = 1, N = 64 72.3-73.1 us against 75.8-76.8 in (sequence, head, tile) order, N = 256 272.8
-    against 297.6-311.5; T = 4, N = 256 411.2 against 433.6; T = 16, N = 64 338.6 against
+    T = 1, N = 64 72.3-73.1 us against 75.8-77.4 in (sequence, head, tile) order, N = 256 272.8
+    against 297.6-314.0; T = 4, N = 256 411.2 against 433.6; T = 16, N = 64 338.6 against
     351.2; at T = 4 and 16, N = 8 0.2-1.9 us slower, not taken). A K-major
     pool (fla's layout, a transposed view) is contiguous along V: 32-row tiles (128 bytes of
     V per key) on one warp, in the same launch order (recurrent_forward_kmajor_sweep*_h200.json,
