@@ -15,7 +15,6 @@ import sys
 
 import torch
 
-from kdakit.compat import fla as compat_fla
 from kdakit.compat.fla import fused_recurrent_kda
 from kdakit.ops import launch
 from kdakit.ops.fused_decode import fused_decode_triton
@@ -40,7 +39,7 @@ def recurrent_forward_case():
         return [o, ht]
     # the same call with its slots given (no cached buffer): what every run must equal
     expected = [t.clone() for t in call(ssm_state_indices=torch.arange(N, device=DEV, dtype=torch.int32))]
-    return call, expected, lambda: compat_fla._IDENTITY_SLOTS.clear()
+    return call, expected, lambda: launch._KEPT.clear()
 
 
 def fused_step_case():
@@ -64,7 +63,7 @@ def fused_step_case():
                             config=(16, 1, 1), pdl=False)
         return [out, state, conv]
     expected = [t.clone() for t in call()]
-    return call, expected, lambda: launch._COUNTERS.clear()
+    return call, expected, lambda: launch._KEPT.clear()
 
 
 def run(name, case) -> bool:

@@ -32,26 +32,14 @@ import warnings
 import torch
 
 from .. import contracts
-from ..ops.launch import capturing
+from ..ops.launch import kept_buffer
 from ..ops.recurrent_forward import BETA_AS_IS, BETA_SIGMOID, BETA_SIGMOID_X2, run_recurrent_forward
 
-_IDENTITY_SLOTS: dict = {}  # (device, stream) -> aranges, the largest last; never freed
-
-
 def identity_slots(device: torch.device, count: int) -> torch.Tensor:
-    """``[0, 1, .., count-1]`` int32 on ``device``: sequence n uses state n. Kept per (device,
-    stream) and grown by doubling; a smaller one is never freed (a CUDA graph captured with
-    it keeps reading its address), so a call launches no kernel to build one once it exists.
-    One first needed while a graph is being captured is that graph's own (filled when it
-    replays), not kept."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    kept = _IDENTITY_SLOTS.setdefault((device, stream), [])
-    if not kept or kept[-1].numel() < count:
-        fresh = torch.arange(max(count, 2 * kept[-1].numel() if kept else 1024), device=device, dtype=torch.int32)
-        if capturing(device):
-            return fresh[:count]
-        kept.append(fresh)
-    return kept[-1][:count]
+    """``[0, 1, .., count-1]`` int32 on ``device``: sequence n uses state n. A
+    ``launch.kept_buffer``: no arange kernel on every call."""
+    return kept_buffer("identity slots", device, count,
+                       lambda size: torch.arange(size, device=device, dtype=torch.int32))[:count]
 
 
 def _v_major(t, state_v_first):

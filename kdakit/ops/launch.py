@@ -125,25 +125,32 @@ def pdl_available(device: torch.device) -> bool:
 _CAPABILITY_MAJOR: dict = {}  # CUDA device index -> compute capability major (host time per call)
 
 
-_COUNTERS: dict = {}  # (device, stream) -> int32 arrival counters, zero between launches
+_KEPT: dict = {}  # (kind, device, stream) -> buffers of that kind, the largest last; never freed
+
+
+def kept_buffer(kind: str, device: torch.device, count: int, make) -> torch.Tensor:
+    """A device buffer of at least ``count`` elements, built by ``make(size)`` once and kept
+    per (kind, device, stream), so a call launches no kernel to build it again. It grows by
+    doubling; a smaller one is never freed (a CUDA graph captured with it keeps reading its
+    address). One first needed while a graph is being captured belongs to that graph alone
+    (what ``make`` writes is only a node of the graph, not run at capture): not kept."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    kept = _KEPT.setdefault((kind, device, stream), [])
+    if not kept or kept[-1].numel() < count:
+        fresh = make(max(count, 2 * kept[-1].numel() if kept else 1024))
+        if capturing(device):
+            return fresh
+        kept.append(fresh)
+    return kept[-1]
 
 
 def arrival_counters(device: torch.device, count: int) -> torch.Tensor:
-    """``count`` int32 counters that are zero between launches (each kernel that counts
-    arrivals on them resets what it used), one set per (device, stream) so that two
-    streams never share one. A set is never freed: a CUDA graph captured with it keeps
-    its address even after a larger batch grew a new set. Graphs captured on one stream
-    share its set: replay them one at a time, not concurrently on several streams.
-    A set first needed while a graph is being captured belongs to that graph alone (its
-    zeroing is a node of the graph, not run at capture): it is not kept for later calls."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    sets = _COUNTERS.setdefault((device, stream), [])
-    if not sets or sets[-1].numel() < count:
-        fresh = torch.zeros(max(count, 2 * sets[-1].numel() if sets else 1024), dtype=torch.int32, device=device)
-        if capturing(device):
-            return fresh
-        sets.append(fresh)
-    return sets[-1]
+    """``count`` int32 counters (or more) that are zero between launches (each kernel that
+    counts arrivals on them resets what it used), a ``kept_buffer``: one set per (device,
+    stream) so that two streams never share one. Graphs captured on one stream share its
+    set: replay them one at a time, not concurrently on several streams."""
+    return kept_buffer("arrival counters", device, count,
+                       lambda size: torch.zeros(size, dtype=torch.int32, device=device))
 
 
 def capturing(device: torch.device) -> bool:

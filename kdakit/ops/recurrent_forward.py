@@ -39,6 +39,16 @@ def _load_state_tile(head_state, offs_v, offs_k, stride_v, stride_k, mask):
 
 
 @triton.jit
+def _zero_rows(row_ptrs, t_begin, t_end, stride_t, mask):
+    """Zeros at ``row_ptrs`` for tokens ``t_begin .. t_end - 1`` (a while loop: the bounds
+    are loaded values, which the interpreter's ``range`` does not take)."""
+    t = t_begin
+    while t < t_end:
+        tl.store(row_ptrs + t * stride_t, tl.zeros(row_ptrs.shape, dtype=row_ptrs.dtype.element_ty), mask=mask)
+        t += 1
+
+
+@triton.jit
 def _recurrent_forward_kernel(
     q, k, v, g, beta, A_log, dt_bias, out, state, slot_indices, num_accepted, cu_seqlens, token_states, final_states,
     T, num_seqs,
@@ -148,17 +158,9 @@ def _recurrent_forward_kernel(
             # sequence and after the last are zero (as a zeroed allocation would leave them)
             # without a memset kernel of their own.
             if i_n == 0:
-                t = bos * 0
-                while t < bos:
-                    tl.store(out + t * stride_o_t + i_hv * stride_o_h + offs_v, tl.zeros_like(offs_v).to(
-                        out.dtype.element_ty), mask=mask_v)
-                    t += 1
+                _zero_rows(out + i_hv * stride_o_h + offs_v, bos * 0, bos, stride_o_t, mask_v)
             if i_n == num_seqs - 1:
-                t = eos
-                while t < T:
-                    tl.store(out + t * stride_o_t + i_hv * stride_o_h + offs_v, tl.zeros_like(offs_v).to(
-                        out.dtype.element_ty), mask=mask_v)
-                    t += 1
+                _zero_rows(out + i_hv * stride_o_h + offs_v, eos, eos * 0 + T, stride_o_t, mask_v)
 
         if not PER_TOKEN_SLOTS:
             if WRITE_STATE:
