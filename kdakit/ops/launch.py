@@ -5,8 +5,15 @@
 itself at small batch, and engines that cannot graph a step pay it on every
 layer. ``CachedKernel`` computes the same specialization key Triton would (dtype
 and 16-byte alignment of every pointer, ``== 1`` / ``% 16`` of every integer),
-keeps the compiled kernel per key and launches it directly. Under
-``TRITON_INTERPRET=1`` it falls through to the ordinary launch.
+keeps the compiled kernel per (device, key) and launches it directly.
+
+That fast path calls a compiled kernel's launcher (``CompiledKernel.run`` with
+its packed metadata and launch hooks), which is Triton's internal interface: it
+is used only on the Triton versions in ``FAST_PATH_TRITON`` (read identical from
+3.5 to 3.9, checked on the GPU with 3.6). Any other Triton, ``KDAKIT_LAUNCHER=public``,
+or a fast launch that the installed Triton refuses, takes the public
+``kernel[grid](...)`` launch instead (a warning once, never an error). Under
+``TRITON_INTERPRET=1`` every launch is the public one.
 
 ``KDAKIT_COMPILE_ONLY=sm_90`` (CPU tensors, no interpreter) compiles each launch for
 the H200 instead of running it: how CI proves on a machine without a GPU that every
@@ -16,12 +23,48 @@ compiler rejects).
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 import triton
 from triton.runtime import driver
 
 COMPILED_FOR_TARGET: list[str] = []  # kernels compiled in compile-only mode, in order
+
+# (major, minor) of the Triton releases whose compiled-kernel launcher takes
+# (grid x, y, z, stream, function, packed metadata, launch metadata, enter hook,
+# exit hook, *every argument in signature order).
+FAST_PATH_TRITON = frozenset({(3, 5), (3, 6), (3, 7), (3, 8), (3, 9)})
+
+
+def triton_version() -> tuple[int, int]:
+    major, minor = triton.__version__.split(".")[:2]
+    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
+
+
+def fast_path_enabled() -> bool:
+    """Whether launches go straight to the compiled kernel's launcher (module docstring)."""
+    return _FAST_PATH[0]
+
+
+def _initial_fast_path() -> bool:
+    if os.environ.get("KDAKIT_LAUNCHER", "").strip().lower() == "public":
+        return False
+    if triton_version() not in FAST_PATH_TRITON:
+        warnings.warn(f"kdakit: Triton {triton.__version__} is not one whose launcher kdakit knows; kernels "
+                      "launch through the public kernel[grid](...) call (correct, more host time per call).",
+                      RuntimeWarning, stacklevel=2)
+        return False
+    return True
+
+
+_FAST_PATH = [_initial_fast_path()]
+
+
+def _fall_back(error: Exception) -> None:
+    _FAST_PATH[0] = False
+    warnings.warn(f"kdakit: Triton {triton.__version__} refused the direct kernel launch ({error!r}); kernels "
+                  "launch through the public kernel[grid](...) call from now on.", RuntimeWarning, stacklevel=3)
 
 
 def compile_only_target():
@@ -73,34 +116,45 @@ def _spec(arg):
 class CachedKernel:
     def __init__(self, fn):
         self.fn = fn
-        self.compiled: dict = {}
+        self.compiled: dict = {}  # (CUDA device index, specialization, options) -> compiled kernel
 
     def __call__(self, grid, args: tuple, constexprs: dict, *, num_warps: int = 4, num_stages: int = 3,
                  launch_pdl: bool = False):
         """``launch_pdl``: a programmatic dependent launch (see ``pdl_available``); the
         kernel must ``gdc_wait`` before it reads what the previous kernel writes."""
-        if not args[0].is_cuda:  # the interpreter (or compile-only mode): nothing to cache
+        first = args[0]
+        if not first.is_cuda:  # the interpreter (or compile-only mode): nothing to cache
             target = compile_only_target()
             if target is not None:
                 return _compile_for_target(self.fn, args, constexprs, num_warps, num_stages, launch_pdl, target)
             return self.fn[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
-        key = (specialization_key(args), tuple(constexprs.values()), num_warps, num_stages, launch_pdl)
+        device = driver.active.get_current_device()
+        if first.device.index != device:
+            # Triton launches on the current device; the tensors' device decides here.
+            with torch.cuda.device(first.device):
+                return self(grid, args, constexprs, num_warps=num_warps, num_stages=num_stages,
+                            launch_pdl=launch_pdl)
+        options = dict(num_warps=num_warps, num_stages=num_stages, launch_pdl=launch_pdl)
+        if not _FAST_PATH[0]:
+            self.fn[grid](*args, **constexprs, **options)
+            return
+        key = (device, specialization_key(args), tuple(constexprs.values()), num_warps, num_stages, launch_pdl)
         kernel = self.compiled.get(key)
         if kernel is None:
-            self.compiled[key] = self.fn[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages,
-                                               launch_pdl=launch_pdl)
+            self.compiled[key] = self.fn[grid](*args, **constexprs, **options)
             return
-        # Triton's launcher takes every argument in signature order, constexprs included.
+        # The launcher takes every argument in signature order, constexprs included.
         bound = (*args, *(constexprs[name] for name in self.fn.arg_names[len(args):]))
-        device = driver.active.get_current_device()
         stream = driver.active.get_current_stream(device)
         knobs = triton.knobs.runtime
         grid_x, grid_y, grid_z = (*grid, 1, 1)[:3]
-        kernel.run(grid_x, grid_y, grid_z, stream, kernel.function, kernel.packed_metadata,
-                   kernel.launch_metadata(grid, stream, *bound), knobs.launch_enter_hook, knobs.launch_exit_hook,
-                   *bound)
-
-
+        try:
+            kernel.run(grid_x, grid_y, grid_z, stream, kernel.function, kernel.packed_metadata,
+                       kernel.launch_metadata(grid, stream, *bound), knobs.launch_enter_hook,
+                       knobs.launch_exit_hook, *bound)
+        except (AttributeError, TypeError) as error:  # refused before launching: the public call is safe
+            _fall_back(error)
+            self.fn[grid](*args, **constexprs, **options)
 
 
 def pdl_available(device: torch.device) -> bool:
