@@ -20,9 +20,7 @@ from kdakit.ops import launch
 # The specialization key agrees with Triton's
 # ----------------------------------------------------------------------------
 def _triton_spec(arg):
-    from triton._C.libtriton import native_specialize_impl
-    from triton.backends.compiler import BaseBackend
-    return native_specialize_impl(BaseBackend, arg, False, True, True)
+    return launch.triton_specialization(arg)
 
 
 def _sample_args():

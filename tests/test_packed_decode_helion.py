@@ -16,6 +16,7 @@ import kdakit  # noqa: E402
 from kdakit import backends, reference  # noqa: E402
 from kdakit.ops import packed_decode_helion as helion_mod  # noqa: E402
 from kdakit.ops.packed_decode_helion import helion_fused_recurrent_kda_packed_decode  # noqa: E402
+from kdakit.ops import launch  # noqa: E402
 
 from helpers import POISON, assert_close, kda_params, pick_slots, random_pool, tol_for, untouched_slots  # noqa: E402
 from test_packed_decode import run_case  # noqa: E402
@@ -174,6 +175,8 @@ def test_int64_indexing_when_offsets_pass_2_31():
 # ----------------------------------------------------------------------------
 # The generated Triton code, run through Triton's interpreter
 # ----------------------------------------------------------------------------
+@pytest.mark.skipif(launch.triton_version() >= (3, 9), reason="helion 1.5.1's generated code indexes a 0-d "
+                    "tensor, which Triton 3.9's interpreter rejects ('too many indices for tensor of rank 0')")
 @pytest.mark.parametrize("state_dtype,lower_bound,use_qk_l2norm", [
     (torch.float32, None, True), (torch.bfloat16, -1.0, False)], ids=["fp32-default-gate", "bf16-safe-gate-no-l2"])
 def test_generated_triton_code(monkeypatch, state_dtype, lower_bound, use_qk_l2norm):

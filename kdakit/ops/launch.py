@@ -80,12 +80,11 @@ def _compile_for_target(fn, args, constexprs, num_warps, num_stages, launch_pdl,
     # Specialized as the JIT would on the GPU (an integer 1 becomes a constant, 16-byte
     # alignment and multiples of 16 are divisibility hints): the layouts the compiler
     # picks, and the passes that can fail, depend on them.
-    from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import BaseBackend
     from triton.compiler import ASTSource
     signature, constants, attrs = {}, dict(constexprs), {}
     for i, (name, arg) in enumerate(zip(fn.arg_names, args)):
-        kind, attr = native_specialize_impl(BaseBackend, arg, False, True, True)
+        kind, attr = triton_specialization(arg)
         if kind == "constexpr":
             constants[name] = attr
         elif attr:
@@ -95,6 +94,17 @@ def _compile_for_target(fn, args, constexprs, num_warps, num_stages, launch_pdl,
     triton.compile(ASTSource(fn, signature, constexprs=constants, attrs=attrs), target=target,
                    options={"num_warps": num_warps, "num_stages": num_stages, "launch_pdl": launch_pdl})
     COMPILED_FOR_TARGET.append(fn.__name__)
+
+
+def triton_specialization(arg) -> tuple:
+    """Triton's own (type, attribute) for one kernel argument, as its JIT specializes it."""
+    from triton.backends.compiler import BaseBackend
+    try:
+        from triton._C.libtriton import native_specialize_impl
+    except ImportError:  # Triton 3.5 specializes in Python
+        from triton.runtime.jit import create_specialize_impl
+        return create_specialize_impl(BaseBackend.get_arg_specialization)(arg, False, True, True)
+    return native_specialize_impl(BaseBackend, arg, False, True, True)
 
 
 def specialization_key(args) -> tuple:
