@@ -1,5 +1,5 @@
 """kdakit: GPU inference kernels for Kimi Delta Attention (KDA) serving."""
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 from . import backends, contracts, reference  # noqa: E402
 from .ops.commit import commit_ring, commit_snapshots  # noqa: E402
