@@ -2,7 +2,7 @@
 for varlen recurrent forward, independent of kdakit.reference.
 
 fla's naive recurrence: K-major state ``[B, HV, K, V]``, log-space gate, post-sigmoid
-beta, no L2 norm (we normalise as SPEC.md does, eps 1e-6 inside the sqrt), float32 math.
+beta, no L2 norm (we normalise as docs/design.md says, eps 1e-6 inside the sqrt), float32 math.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Packed decode: the error contract of SPEC.md, exact texts and order, through the native
-API and the sglang compat API; extra checks; full-check mode; backend selection.
+"""Packed decode: the public error contract (kdakit/contracts.py), exact texts and order,
+through the native API and the sglang compat API; extra checks; full-check mode; backend selection.
 
 Every failing call must leave every buffer (state pool, out, inputs) bitwise unchanged.
 """

@@ -36,7 +36,7 @@ def make_pool(layer, slots=4, spec=None, num_spec=0, scratch_rows=None):
 
 def naive_layer(layer, x):
     """The layer over a whole sequence ``x [T, hidden]`` from a zero state, in float64, written
-    from SPEC.md alone (no kdakit code)."""
+    from the math of docs/design.md alone (no kdakit code)."""
     p = {n: t.detach().double() for n, t in layer.named_parameters()}
     x = x.double()
     Hl, HVl, W = layer.H, layer.HV, layer.conv_width

@@ -1,6 +1,6 @@
 """The float64 reference itself: it is the oracle of every kernel test, so it is checked
 against fla-core's naive recurrence, against its own unfused chains (fused decode, verify
-vs plain decode, ring vs snapshot commit) and against the formulas of SPEC.md by hand."""
+vs plain decode, ring vs snapshot commit) and against the formulas of docs/design.md by hand."""
 import itertools
 
 import pytest
@@ -17,14 +17,14 @@ EXACT = 1e-12  # two float64 paths of the same math
 
 
 # ----------------------------------------------------------------------------
-# SPEC.md written out by hand, independent of kdakit.reference
+# The math of docs/design.md written out by hand, independent of kdakit.reference
 # ----------------------------------------------------------------------------
 def hand_l2(x):
     return x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6)
 
 
 def hand_gate(a, A_log, dt_bias, lower_bound):
-    """``a [..., HV, K]``; torch's softplus returns ``x`` above its threshold of 20, as SPEC.md asks."""
+    """``a [..., HV, K]``; torch's softplus returns ``x`` above its threshold of 20, as the math asks."""
     HV, K = a.shape[-2:]
     x = a + dt_bias.view(HV, K)
     A = A_log.exp()[:, None]

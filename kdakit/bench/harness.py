@@ -1,6 +1,6 @@
 """Benchmark harness shared by `kdakit bench` and the scripts under benchmarks/ (GPU only).
 
-How it measures (ANCHORS.md): each timed call is replayed from a CUDA graph that
+How it measures (docs/tuning.md): each timed call is replayed from a CUDA graph that
 runs it on ``L`` independent layers (own pool, own inputs), so the state streams
 from HBM rather than the 60 MB L2; the reported time is the median graph replay
 divided by ``L``. Bandwidth is reported against the device-to-device copy

@@ -1,0 +1,94 @@
+"""GPU check: no op touches memory outside its buffers, whatever its indices hold.
+
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 1 \
+        python benchmarks/gpu_memcheck.py
+
+For every case of ``gpu_compile_graph_check.py`` (real sizes, a padding row in every batch):
+the call as it is, then once per index argument with one live row's index pushed outside its
+buffer (just past the end, and 2**30 past it). Each such call must write exactly what the same
+call writes with that row made a padding row (slot -1): every tensor bitwise equal (outputs,
+pools, scratch), and ``kdakit.take_errors()`` must count it under the op's name. Without the
+caching allocator every tensor is its own allocation, so a stray access lands outside every
+allocation and memcheck reports it. Prints a table last; exits 1 when a check fails.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+import kdakit  # noqa: E402
+from gpu_compile_graph_check import CASES, SLOTS, compare, tensors_of  # noqa: E402
+
+# (case, where the index tensor is: ("arg", position) or ("kw", name), its buffer's length,
+#  which argument to set to -1 for the same row to make it a padding row)
+INDEX_ARGS = {
+    "packed_decode": [(("arg", 6), SLOTS, ("arg", 6))],
+    "fused_decode": [(("arg", 8), SLOTS, ("arg", 8))],
+    "causal_conv1d_update": [(("arg", 3), SLOTS, ("arg", 3))],
+    "mtp_verify-snapshot": [(("arg", 8), SLOTS, ("arg", 8)), (("arg", 9), 4, ("arg", 8))],
+    "mtp_verify-ring": [(("arg", 8), SLOTS, ("arg", 8)), (("arg", 9), 4, ("arg", 8))],
+    "commit_snapshots": [(("arg", 2), SLOTS, ("arg", 2)), (("arg", 3), 4, ("arg", 2))],
+    "commit_ring": [(("arg", 5), SLOTS, ("arg", 5))],
+    "recurrent_forward": [(("arg", 6), SLOTS, ("arg", 6))],
+}
+OP_NAMES = {"mtp_verify-snapshot": "mtp_verify", "mtp_verify-ring": "mtp_verify"}
+
+
+def _get(args, kw, where):
+    kind, key = where
+    return args[key] if kind == "arg" else kw[key]
+
+
+def _live_row(index: torch.Tensor) -> int:
+    return int(torch.nonzero(index >= 0)[0])
+
+
+def run(build, seed, edit=None):
+    op, args, kw = build(seed)
+    args = list(args)
+    if edit is not None:
+        edit(args, kw)
+    op(*args, **kw)
+    torch.cuda.synchronize()
+    return tensors_of(args, kw)
+
+
+def main() -> int:
+    rows, failed = [], False
+    kdakit.take_errors()
+    for name, build in CASES.items():
+        run(build, 1)
+        errors = kdakit.take_errors()
+        rows.append((name, "valid", "ok" if not errors else f"counted {errors}"))
+        failed |= bool(errors)
+        for where, length, pad_where in INDEX_ARGS.get(name, []):
+            _, args0, kw0 = build(1)
+            row = _live_row(_get(list(args0), kw0, pad_where))
+
+            def pad(args, kw, row=row, pad_where=pad_where):
+                _get(args, kw, pad_where)[row] = -1
+            want = run(build, 1, pad)
+            kdakit.take_errors()
+            for past in (0, 2 ** 30):
+                def push(args, kw, row=row, where=where, value=length + past):
+                    _get(args, kw, where)[row] = value
+                got = run(build, 1, push)
+                errors = kdakit.take_errors()
+                problem = compare(got, want)
+                counted = errors.get(OP_NAMES.get(name, name), 0)
+                if problem is None and counted < 1:
+                    problem = f"not counted (take_errors() = {errors})"
+                failed |= problem is not None
+                rows.append((name, f"{where[0]} {where[1]} = {length + past}", problem or f"ok, counted {counted}"))
+    widths = [max(len(str(r[i])) for r in rows) for i in range(3)]
+    for r in rows:
+        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)))
+    print("\nRESULT:", "FAIL" if failed else "every out-of-range index acted as a padding row and was counted")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
