@@ -148,6 +148,49 @@ def causal_conv1d_update(x, conv_state, weight, slot_indices, out, *, bias=None,
     return out
 
 
+def causal_conv1d_varlen(x, conv_state, weight, cu_seqlens, slot_indices, out, *, has_initial_state=None,
+                         bias=None, activation=True, compute_dtype=torch.float32):
+    """Short conv (SiLU when ``activation``) of the tokens ``x [T, C]`` of ``N`` sequences split by
+    ``cu_seqlens [N+1]``; ``out [T, C]`` gets every token's output, rounded to ``out``'s dtype.
+
+    Sequence ``n`` (tokens ``cu_seqlens[n] .. cu_seqlens[n+1]``) starts from the window
+    ``conv_state[slot]``, ``slot = slot_indices[n]``, when the slot is in the pool (``0 <= slot <
+    slots``) and ``has_initial_state[n]`` (all True when not given); from zeros otherwise. Then the
+    slot, when in the pool, holds the last ``W-1`` entries of ``[starting window, the sequence's
+    inputs]`` (the window shifted by the sequence's length). A slot outside the pool (< 0:
+    padding) is neither read nor written; a sequence of length 0 writes nothing.
+    """
+    cd = compute_dtype
+    C, W = weight.shape
+    num_slots = conv_state.shape[0]
+    bounds = cu_seqlens.tolist()
+    slots = slot_indices.tolist()
+    starts_from_slot = [True] * len(slots) if has_initial_state is None else has_initial_state.tolist()
+    w = weight.to(cd)
+    for n, slot in enumerate(slots):
+        s, e = bounds[n], bounds[n + 1]
+        if e <= s:
+            continue
+        in_pool = 0 <= slot < num_slots
+        if in_pool and starts_from_slot[n]:
+            window = conv_state[slot].to(cd)                                  # [C, W-1], oldest first
+        else:
+            window = torch.zeros(C, W - 1, dtype=cd, device=x.device)
+        seq = torch.cat([window.t(), x[s:e].to(cd)], dim=0)                   # [W-1+len, C]
+        taps = seq.unfold(0, W, 1)                                            # [len, C, W]: token t's window, then x_t
+        # The sums of conv_step (window taps, then x_t, then the bias), so a chain of one-token
+        # updates gives the same numbers.
+        y = (taps[..., :-1] * w[:, :-1]).sum(-1) + w[:, -1] * taps[..., -1]
+        if bias is not None:
+            y = y + bias.to(cd)
+        if activation:
+            y = F.silu(y)
+        out[s:e] = y.to(out.dtype)
+        if in_pool:
+            conv_state[slot] = seq[seq.shape[0] - (W - 1):].t().to(conv_state.dtype)
+    return out
+
+
 def fused_decode(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, state, slot_indices, out, *,
                  conv_bias=None, scale=None, lower_bound=None, norm_gate=None, norm_weight=None,
                  norm_eps=1e-6, compute_dtype=torch.float32):
