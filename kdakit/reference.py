@@ -73,8 +73,8 @@ def prepare_qk(q, k, num_value_heads, scale, use_qk_l2norm=True):
     return expand_to_value_heads(q * scale, num_value_heads), expand_to_value_heads(k, num_value_heads)
 
 
-def conv_step(x, window, weight, bias=None, activation_dtype=None):
-    """Causal short conv of one token with SiLU.
+def conv_step(x, window, weight, bias=None, activation_dtype=None, silu=True):
+    """Causal short conv of one token with SiLU (none when ``silu=False``).
 
     ``x [..., C]``; ``window [..., C, W-1]`` (oldest first); ``weight [C, W]``.
     Returns ``(y [..., C], new_window)``; ``y`` is rounded to ``activation_dtype``
@@ -83,7 +83,8 @@ def conv_step(x, window, weight, bias=None, activation_dtype=None):
     y = (window * weight[:, :-1]).sum(-1) + weight[:, -1] * x
     if bias is not None:
         y = y + bias
-    y = F.silu(y)
+    if silu:
+        y = F.silu(y)
     if activation_dtype is not None:
         y = y.to(activation_dtype).to(x.dtype)
     return y, torch.cat([window[..., 1:], x[..., None]], dim=-1)
@@ -167,6 +168,7 @@ def causal_conv1d_varlen(x, conv_state, weight, cu_seqlens, slot_indices, out, *
     slots = slot_indices.tolist()
     starts_from_slot = [True] * len(slots) if has_initial_state is None else has_initial_state.tolist()
     w = weight.to(cd)
+    b = None if bias is None else bias.to(cd)
     for n, slot in enumerate(slots):
         s, e = bounds[n], bounds[n + 1]
         if e <= s:
@@ -176,18 +178,14 @@ def causal_conv1d_varlen(x, conv_state, weight, cu_seqlens, slot_indices, out, *
             window = conv_state[slot].to(cd)                                  # [C, W-1], oldest first
         else:
             window = torch.zeros(C, W - 1, dtype=cd, device=x.device)
-        seq = torch.cat([window.t(), x[s:e].to(cd)], dim=0)                   # [W-1+len, C]
-        taps = seq.unfold(0, W, 1)                                            # [len, C, W]: token t's window, then x_t
-        # The sums of conv_step (window taps, then x_t, then the bias), so a chain of one-token
-        # updates gives the same numbers.
-        y = (taps[..., :-1] * w[:, :-1]).sum(-1) + w[:, -1] * taps[..., -1]
-        if bias is not None:
-            y = y + bias.to(cd)
-        if activation:
-            y = F.silu(y)
-        out[s:e] = y.to(out.dtype)
+        # Token by token, as the math reads (and as a chain of one-token updates computes it,
+        # bit for bit: PyTorch's vectorised SiLU rounds by a tensor's shape, so no batching).
+        for t in range(s, e):
+            y, window = conv_step(x[t:t + 1].to(cd), window[None], w, b, activation_dtype=out.dtype, silu=activation)
+            window = window[0]
+            out[t] = y[0].to(out.dtype)
         if in_pool:
-            conv_state[slot] = seq[seq.shape[0] - (W - 1):].t().to(conv_state.dtype)
+            conv_state[slot] = window.to(conv_state.dtype)
     return out
 
 
