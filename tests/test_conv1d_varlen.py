@@ -323,3 +323,43 @@ def test_full_checks(case, parts, backend):
     if case == "slot-out-of-range":  # by default (no data checks) the slot is padding instead
         call(t, backend=backend)
         assert torch.equal(bits(t["conv_state"][[0, 2, 3, 4]]), snap["conv_state"].view(5, -1)[[0, 2, 3, 4]].flatten())
+
+
+# ----------------------------------------------------------------------------
+# The sglang drop-in (kdakit.compat.sglang.causal_conv1d_fn)
+# ----------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sglang_causal_conv1d_fn(backend, monkeypatch):
+    from kdakit.compat.sglang import causal_conv1d_fn
+    monkeypatch.setenv("KDAKIT_BACKEND", backend)
+    C, W, PAD = 24, 4, 99
+    t = make_case(MIXED, C, W, act_dtype=BF16, x_layout="transposed", pool_layout="transposed", padding=(1,),
+                  seed=40)
+    x_cf = t["x"].t()                                   # [dim, cu_seq_len], as sglang passes it
+    cache_indices = torch.where(t["slot_indices"] < 0, PAD, t["slot_indices"])
+    expected_pool = t["conv_state"].clone()
+    expected = causal_conv1d_varlen(t["x"], expected_pool, t["weight"], t["cu_seqlens"], t["slot_indices"],
+                                    has_initial_state=t["has_initial_state"], bias=t["bias"])
+    x_before = x_cf.clone()
+    got = causal_conv1d_fn(x_cf, t["weight"], t["bias"], query_start_loc=t["cu_seqlens"],
+                           cache_indices=cache_indices, has_initial_state=t["has_initial_state"],
+                           conv_states=t["conv_state"], activation="silu", pad_slot_id=PAD,
+                           seq_lens_cpu=[5, 1, 1, 9, 3, 12, 4])
+    assert got.shape == x_cf.shape and got.stride() == x_cf.stride(), "a new [dim, T] tensor laid out like x"
+    assert torch.equal(got.t(), expected) and torch.equal(bits(t["conv_state"]), bits(expected_pool))
+    assert torch.equal(x_cf, x_before), "x is not written"
+    # sglang's defaults: no has_initial_state -> every sequence starts from zeros; bf16 weights are cast.
+    pool = expected_pool.clone()
+    got = causal_conv1d_fn(x_cf, t["weight"].bfloat16(), None, query_start_loc=t["cu_seqlens"],
+                           cache_indices=t["slot_indices"], conv_states=pool, activation=True)
+    zeros_pool = expected_pool.clone()
+    ref = causal_conv1d_varlen(t["x"], zeros_pool, t["weight"].bfloat16().float(), t["cu_seqlens"], t["slot_indices"],
+                               has_initial_state=torch.zeros(len(MIXED), dtype=torch.bool))
+    assert torch.equal(got.t(), ref) and torch.equal(bits(pool), bits(zeros_pool))
+    # No pool, no activation: one sequence from zeros.
+    got = causal_conv1d_fn(x_cf, t["weight"], t["bias"], activation=None)
+    ref = causal_conv1d_varlen(t["x"], torch.zeros(1, C, W - 1, dtype=BF16), t["weight"],
+                               torch.tensor([0, x_cf.shape[1]]), torch.tensor([-1]), bias=t["bias"], activation=None)
+    assert torch.equal(got.t(), ref)
+    with pytest.raises(NotImplementedError, match="activation must be None, silu, or swish"):
+        causal_conv1d_fn(x_cf, t["weight"], activation="gelu")
