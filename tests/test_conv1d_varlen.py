@@ -216,8 +216,9 @@ def test_equals_chained_one_token_updates(backend, W, act_dtype):
         if slot == slots or not bool(init[n]):
             chain_pool[slot] = 0
         for tok in range(bounds[n], bounds[n + 1]):
-            kdakit.causal_conv1d_update(x[tok:tok + 1], chain_pool, t["weight"], torch.tensor([slot], dtype=torch.int32),
-                                        bias=t["bias"], out=chain_out[tok:tok + 1], backend=backend)
+            kdakit.causal_conv1d_update(x[tok:tok + 1], chain_pool, t["weight"],
+                                        torch.tensor([slot], dtype=torch.int32), bias=t["bias"],
+                                        out=chain_out[tok:tok + 1], backend=backend)
     out = run(t, backend, config=SMALL_TILES if backend == "triton" else None, out=torch.full_like(x, POISON))
     assert torch.equal(out, chain_out), "outputs must equal the one-token chain bitwise"
     live = [int(s) for s in idx if int(s) >= 0]
@@ -245,7 +246,8 @@ BREAKERS = [
     ("bias-shape", setter("bias", lambda b: torch.zeros(C_ + 1)), ["`bias`", f"({C_},)"]),
     ("conv_state-2d", setter("conv_state", lambda c: c[0]), ["`conv_state`", "3D"]),
     ("conv_state-taps", setter("conv_state", lambda c: torch.zeros(5, C_, W_)), ["`conv_state`", f"W-1={W_ - 1}"]),
-    ("conv_state-overlap", setter("conv_state", lambda c: c[:1].expand(5, C_, W_ - 1)), ["`conv_state`", "overlapping"]),
+    ("conv_state-overlap", setter("conv_state", lambda c: c[:1].expand(5, C_, W_ - 1)),
+     ["`conv_state`", "overlapping"]),
     ("cu_seqlens-2d", setter("cu_seqlens", lambda c: c[None]), ["`cu_seqlens`", "1D", "(1, 4)"]),
     ("cu_seqlens-float", setter("cu_seqlens", lambda c: c.float()), ["`cu_seqlens`", "torch.float32"]),
     ("cu_seqlens-one-offset", setter("cu_seqlens", lambda c: c[:1]), ["`cu_seqlens`", "at least 2", "T=9"]),
