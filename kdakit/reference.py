@@ -169,8 +169,9 @@ def causal_conv1d_varlen(x, conv_state, weight, cu_seqlens, slot_indices, out, *
     starts_from_slot = [True] * len(slots) if has_initial_state is None else has_initial_state.tolist()
     w = weight.to(cd)
     b = None if bias is None else bias.to(cd)
+    T = x.shape[0]
     for n, slot in enumerate(slots):
-        s, e = bounds[n], bounds[n + 1]
+        s, e = max(bounds[n], 0), min(bounds[n + 1], T)  # offsets outside [0, T] (unchecked by default) clip
         if e <= s:
             continue
         in_pool = 0 <= slot < num_slots

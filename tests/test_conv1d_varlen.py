@@ -365,3 +365,25 @@ def test_sglang_causal_conv1d_fn(backend, monkeypatch):
     assert torch.equal(got.t(), ref)
     with pytest.raises(NotImplementedError, match="activation must be None, silu, or swish"):
         causal_conv1d_fn(x_cf, t["weight"], activation="gelu")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("cu", [[0, 7, 3, 9], [0, 4, 30, 9], [-6, 2, 5, 9], [0, 2, 5, 6]],
+                         ids=["decreasing", "past-T", "negative", "ending-early"])
+def test_bad_offsets_stay_inside_the_buffers(backend, cu):
+    """Unchecked offsets (no full checks) may give wrong numbers but never touch memory outside
+    the buffers: the bytes around a pool view, the unused slots, x, all stay as they were."""
+    t = valid_call()
+    C, W = C_, W_
+    big = torch.randn(7, C + 4, W - 1)                    # the pool is a view inside a larger buffer
+    t["conv_state"] = big[1:6, 2:2 + C]
+    t["slot_indices"] = torch.tensor([0, 3, 4], dtype=torch.int32)
+    t["cu_seqlens"] = torch.tensor(cu, dtype=torch.int32)
+    big_before, x_before = big.clone(), t["x"].clone()
+    call(t, backend=backend)
+    assert torch.equal(t["x"], x_before)
+    inside = torch.zeros_like(big, dtype=torch.bool)
+    inside[1:6, 2:2 + C] = True
+    assert torch.equal(bits(big[~inside]), bits(big_before[~inside])), "bytes outside the pool view"
+    for s in (1, 2):
+        assert torch.equal(bits(t["conv_state"][s]), bits(big_before[1:6, 2:2 + C][s]))

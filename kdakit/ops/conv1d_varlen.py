@@ -62,7 +62,9 @@ def _conv_rows(x, conv_state, weight, bias, slot_indices, has_initial_state, out
     if HAS_INIT_FLAGS:
         from_slot = from_slot & (tl.load(has_initial_state + seq).to(tl.int32) != 0)
     tok64 = tok.to(tl.int64)
-    win_rows = conv_state + slot * stride_conv_slot
+    ch64 = ch.to(tl.int64)  # channel * stride passes 2**31 in a transposed x (stride T)
+    win_rows = conv_state + slot * stride_conv_slot                # [BLOCK_T] pointers, one slot per token
+    win_chan = ch64[None, :] * stride_conv_chan
     acc = tl.zeros([tok.shape[0], ch.shape[0]], dtype=tl.float32)
     # Taps summed oldest first, then x_t, then the bias: the order of the one-token conv
     # (triton_math.conv_apply), so chaining causal_conv1d_update gives the same numbers.
@@ -70,12 +72,12 @@ def _conv_rows(x, conv_state, weight, bias, slot_indices, has_initial_state, out
         pos = tok64 - (W - 1) + j                      # the input this tap reads
         in_x = pos >= bos                              # inside the sequence: x; before it: the window
         x_mask = own & in_x & (pos >= 0)
-        val = tl.load(x + pos[:, None] * stride_x_t + ch[None, :] * stride_x_c,
+        val = tl.load(x + pos[:, None] * stride_x_t + ch64[None, :] * stride_x_c,
                       mask=x_mask[:, None] & mask_c[None, :], other=0.0).to(tl.float32)
         if j < W - 1:
             tap_idx = pos - bos + (W - 1)              # index into the window, oldest first
             w_mask = own & (~in_x) & from_slot & (tap_idx >= 0)
-            from_win = tl.load(win_rows[:, None] + ch[None, :] * stride_conv_chan + tap_idx[:, None] * stride_conv_tap,
+            from_win = tl.load(win_rows[:, None] + win_chan + tap_idx[:, None] * stride_conv_tap,
                                mask=w_mask[:, None] & mask_c[None, :], other=0.0).to(tl.float32)
             val = tl.where(in_x[:, None], val, from_win)
         w_j = tl.load(weight + ch * W + j, mask=mask_c, other=0.0)
@@ -84,7 +86,7 @@ def _conv_rows(x, conv_state, weight, bias, slot_indices, has_initial_state, out
         acc += tl.load(bias + ch, mask=mask_c, other=0.0)[None, :]
     if SILU:
         acc = acc * tl.sigmoid(acc)
-    tl.store(out + tok64[:, None] * stride_out_t + ch[None, :] * stride_out_c, acc.to(out.dtype.element_ty),
+    tl.store(out + tok64[:, None] * stride_out_t + ch64[None, :] * stride_out_c, acc.to(out.dtype.element_ty),
              mask=own[:, None] & mask_c[None, :])
 
 
@@ -130,6 +132,7 @@ def _causal_conv1d_varlen_kernel(
     # New windows of the sequences whose first token is in this tile: taps k = 0 .. W-2 are
     # entries len+k of [old window (W-1), the sequence's inputs (len)].
     k = tl.arange(0, BLOCK_TAPS)
+    ch64 = ch.to(tl.int64)
     n = _count_below(cu_seqlens, N, t0, step0)
     n_end = _count_below(cu_seqlens, N, t0 + BLOCK_T, step0)
     while n < n_end:
@@ -143,9 +146,10 @@ def _causal_conv1d_varlen_kernel(
             old_taps = tl.where(tl.load(has_initial_state + n).to(tl.int32) != 0, num_taps, 0)
         src = length + k                               # [BLOCK_TAPS]
         pos = seq_start + src - (W - 1)
-        win_rows = conv_state + slot * stride_conv_slot + ch[None, :] * stride_conv_chan
-        from_x = tl.load(x + pos[:, None] * stride_x_t + ch[None, :] * stride_x_c,
-                         mask=((src >= W - 1) & (k < num_taps) & (pos < T))[:, None] & mask_c[None, :], other=0.0)
+        win_rows = conv_state + slot * stride_conv_slot + ch64[None, :] * stride_conv_chan
+        from_x = tl.load(x + pos[:, None] * stride_x_t + ch64[None, :] * stride_x_c,
+                         mask=((src >= W - 1) & (k < num_taps) & (pos >= 0) & (pos < T))[:, None] & mask_c[None, :],
+                         other=0.0)
         from_old = tl.load(win_rows + src[:, None] * stride_conv_tap,
                            mask=(src < old_taps)[:, None] & mask_c[None, :], other=0.0)
         new = tl.where((src >= W - 1)[:, None], from_x.to(conv_state.dtype.element_ty), from_old)
