@@ -59,6 +59,7 @@ kdakit.causal_conv1d_varlen(x_var, rnd(slots, W - 1, C).transpose(1, 2), conv_w,
                             has_initial_state=torch.tensor([True, False, True]), bias=torch.randn(C),
                             activation=None, backend="triton")
 kdakit.causal_conv1d_varlen(x_var, rnd(slots, C, 1), torch.randn(C, 2), cu_var, slots_var, backend="triton")  # W=2
+kdakit.causal_conv1d_varlen(x_var, conv_state, conv_w, cu_var[::3].contiguous(), slots_var[:1], backend="triton")  # N=1
 kdakit.gated_rmsnorm(rnd(N, HV, V), rnd(N, HV, V), torch.rand(V), backend="triton")
 q, k, v = rnd(N, T, H, K), rnd(N, T, H, K), rnd(N, T, HV, V)
 aT, bT = rnd(N, T, HV, K), rnd(N, T, HV)
