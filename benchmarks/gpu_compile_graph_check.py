@@ -81,6 +81,17 @@ def conv1d_case(seed):
                                                    out=torch.empty(B, C, dtype=BF16, device=DEV))
 
 
+def conv1d_varlen_case(seed):
+    g = _gen(seed)
+    C, T = 2 * H * K + HV * V, 40
+    # x as the transposed [C, T] view, the pool as sglang's [slots, W-1, C] transposed
+    args = (_rnd(g, C, T, dtype=BF16).t(), _rnd(g, SLOTS, W - 1, C, dtype=BF16).transpose(1, 2),
+            _rnd(g, C, W, s=0.5), _idx(0, 1, 3, 21, 40), _slots(seed, 4))
+    kw = dict(has_initial_state=torch.tensor([True, True, False, True], device=DEV), bias=_rnd(g, C, s=0.1),
+              out=torch.empty(C, T, dtype=BF16, device=DEV).t())
+    return kdakit.causal_conv1d_varlen, args, kw
+
+
 def gated_rmsnorm_case(seed):
     g = _gen(seed)
     args = (_rnd(g, B, 1, HV, V, dtype=BF16), _rnd(g, B, 1, HV, V, dtype=BF16),
@@ -147,6 +158,7 @@ CASES = {
     "packed_decode": packed_decode_case,
     "fused_decode": fused_decode_case,
     "causal_conv1d_update": conv1d_case,
+    "causal_conv1d_varlen": conv1d_varlen_case,
     "gated_rmsnorm": gated_rmsnorm_case,
     "mtp_verify-snapshot": lambda s: _verify_case(s, "snapshot"),
     "mtp_verify-ring": lambda s: _verify_case(s, "ring"),

@@ -4,6 +4,7 @@ __version__ = "0.2.0"
 from . import backends, contracts, reference  # noqa: E402
 from .ops.commit import commit_ring, commit_snapshots  # noqa: E402
 from .ops.conv1d_update import causal_conv1d_update  # noqa: E402
+from .ops.conv1d_varlen import causal_conv1d_varlen  # noqa: E402
 from .ops.fused_decode import fused_decode  # noqa: E402
 from .ops.gated_rmsnorm import gated_rmsnorm  # noqa: E402
 from .ops.mtp_verify import mtp_verify  # noqa: E402
@@ -12,5 +13,5 @@ from .ops.recurrent_forward import recurrent_forward  # noqa: E402
 from . import custom_ops  # noqa: E402  (torch.ops.kdakit.*: the public entries dispatch through them)
 
 __all__ = ["__version__", "backends", "contracts", "reference", "packed_decode", "fused_decode",
-           "causal_conv1d_update", "gated_rmsnorm", "mtp_verify", "commit_ring", "commit_snapshots",
+           "causal_conv1d_update", "causal_conv1d_varlen", "gated_rmsnorm", "mtp_verify", "commit_ring", "commit_snapshots",
            "recurrent_forward"]

@@ -138,8 +138,28 @@ def check_recurrent_forward(backend, device):
             "untouched": bool(torch.equal(c.state[u], before[u]))}
 
 
+def check_causal_conv1d_varlen(backend, device):
+    """Unequal sequences (one token, shorter than the window), a padding sequence, one without an
+    initial state, the pool as sglang's transposed [slots, W-1, C] view."""
+    c = _Case(device, seed=4)
+    C, W, T = 48, 4, 12
+    x, weight = c.rnd(T, C), c.rnd(C, W) * 0.5
+    conv = c.rnd(c.slots, W - 1, C).transpose(1, 2)
+    cu = torch.tensor([0, 1, 3, 9, 12], dtype=torch.int32, device=device)
+    flags = torch.tensor([True, True, True, False], device=device)
+    before, ref_conv = conv.clone(), conv.double()
+    ref_out = torch.empty(T, C, dtype=torch.float64, device=device)
+    reference.causal_conv1d_varlen(x.double(), ref_conv, weight.double(), cu, c.idx, ref_out, has_initial_state=flags,
+                                   compute_dtype=torch.float64)
+    out = kdakit.causal_conv1d_varlen(x, conv, weight, cu, c.idx, has_initial_state=flags, backend=backend)
+    u = c.unused()
+    return {"out_err": _rel(out, ref_out), "pool_err": _rel(conv, ref_conv),
+            "untouched": bool(torch.equal(conv[u], before[u]))}
+
+
 CHECKS = {"packed_decode": check_packed_decode, "fused_decode": check_fused_decode,
-          "mtp_verify+commit_ring": check_mtp_verify_and_commit, "recurrent_forward": check_recurrent_forward}
+          "mtp_verify+commit_ring": check_mtp_verify_and_commit, "recurrent_forward": check_recurrent_forward,
+          "causal_conv1d_varlen": check_causal_conv1d_varlen}
 REGISTRY_NAME = {"mtp_verify+commit_ring": "mtp_verify"}
 
 

@@ -97,6 +97,16 @@ def causal_conv1d_update(x: Tensor, conv_state: Tensor, weight: Tensor, slot_ind
     impl(x, conv_state, weight, slot_indices, out, bias=bias)
 
 
+@_op("causal_conv1d_varlen", ("conv_state", "out"))
+def causal_conv1d_varlen(x: Tensor, conv_state: Tensor, weight: Tensor, cu_seqlens: Tensor, slot_indices: Tensor,
+                         out: Tensor, has_initial_state: Optional[Tensor], bias: Optional[Tensor], activation: bool,
+                         backend: Optional[str]) -> None:
+    """``activation``: SiLU on (the public entry's ``"silu"``/``"swish"``) or off (``None``)."""
+    _, impl = select("causal_conv1d_varlen", x.device, backend)
+    impl(x, conv_state, weight, cu_seqlens, slot_indices, out, has_initial_state=has_initial_state, bias=bias,
+         activation=activation)
+
+
 @_op("gated_rmsnorm", ("out",))
 def gated_rmsnorm(x: Tensor, gate: Tensor, weight: Tensor, out: Tensor, eps: float, groups: List[int],
                   backend: Optional[str]) -> None:
@@ -185,5 +195,5 @@ def recurrent_forward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, 
 
 
 OPS = {"packed_decode": packed_decode, "fused_decode": fused_decode, "causal_conv1d_update": causal_conv1d_update,
-       "gated_rmsnorm": gated_rmsnorm, "mtp_verify": mtp_verify, "commit_snapshots": commit_snapshots,
+       "causal_conv1d_varlen": causal_conv1d_varlen, "gated_rmsnorm": gated_rmsnorm, "mtp_verify": mtp_verify, "commit_snapshots": commit_snapshots,
        "commit_ring": commit_ring, "recurrent_forward": recurrent_forward}

@@ -9,7 +9,7 @@ SPEC.md, with the projections of Kimi Linear around it:
   ``A_log [HV]``, ``dt_bias [HV*K]`` (default gate, or the safe gate with ``lower_bound``);
 - output ``o_proj(gated_rmsnorm(o, g_b_proj(g_a_proj(x)), o_norm_weight))``.
 
-Modes: ``prefill`` (conv over the prompt in PyTorch, then ``recurrent_forward``), ``decode``
+Modes: ``prefill`` (``causal_conv1d_varlen`` over every prompt, then ``recurrent_forward``), ``decode``
 (``fused_decode``: conv + recurrence + output norm in one kernel), ``verify``
 (``mtp_verify`` with the conv fused, snapshots or rings, fused output norm) and ``commit``
 (``commit_snapshots``, or ``commit_ring`` plus the conv windows).
@@ -21,10 +21,10 @@ Tensor parallelism: ``tp_rank``/``tp_size`` keep key heads ``[rank*H/tp, (rank+1
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .ops.commit import commit_ring, commit_snapshots
+from .ops.conv1d_varlen import causal_conv1d_varlen
 from .ops.fused_decode import fused_decode
 from .ops.gated_rmsnorm import gated_rmsnorm
 from .ops.mtp_verify import mtp_verify
@@ -132,27 +132,24 @@ class KDALayer(nn.Module):
         conv window (zeros after ``alloc``); both are left after its last token. Returns ``[T, hidden]``."""
         c = self._cache(cache)
         T = x.shape[0]
-        bounds = [0, T] if cu_seqlens is None else [int(v) for v in cu_seqlens]
-        slot_t = self._slots(slots, len(bounds) - 1)
-        H, HV, K, V, W = self.H, self.HV, self.K, self.V, self.conv_width
+        dev = self.conv_weight.device
+        if cu_seqlens is None:
+            cu_t = torch.tensor([0, T], dtype=torch.int32, device=dev)
+        elif torch.is_tensor(cu_seqlens):
+            cu_t = cu_seqlens.to(device=dev, dtype=torch.int32)
+        else:
+            cu_t = torch.tensor(list(cu_seqlens), dtype=torch.int32, device=dev)
+        slot_t = self._slots(slots, cu_t.numel() - 1)
+        H, HV, K, V = self.H, self.HV, self.K, self.V
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [T, C], pre-conv
-        w = self.conv_weight
-        mixed = torch.empty_like(qkv)
-        for n, slot in enumerate(slot_t.tolist()):
-            s, e = bounds[n], bounds[n + 1]
-            window = c.conv[slot].float() if slot >= 0 else qkv.new_zeros(self.conv_channels, W - 1).float()
-            seq = torch.cat([window.t(), qkv[s:e].float()], dim=0)                 # [W-1+len, C]
-            taps = seq.unfold(0, W, 1)                                              # [len, C, W]
-            # Summed as the conv kernels and reference.conv_step sum: window taps, then x_t.
-            y = (taps[..., :-1] * w[:, :-1]).sum(-1) + w[:, -1] * taps[..., -1]
-            mixed[s:e] = F.silu(y).to(qkv.dtype)
-            if slot >= 0:
-                c.conv[slot] = seq[seq.shape[0] - (W - 1):].t().to(c.conv.dtype)
+        # Every sequence's short conv in one launch, continuing from its slot's window (a PAD slot
+        # starts from zeros and keeps none); no host sync, no loop over sequences.
+        mixed = causal_conv1d_varlen(qkv, c.conv, self.conv_weight, cu_t, slot_t)
         a, b, gate = self._gate_inputs(x)
         q, k, v = torch.split(mixed, [H * K, H * K, HV * V], dim=-1)
         o = recurrent_forward(q.reshape(1, T, H, K), k.reshape(1, T, H, K), v.reshape(1, T, HV, V),
                               a.reshape(1, T, HV, K), b.reshape(1, T, HV), c.state, slot_t,
-                              cu_seqlens=torch.tensor(bounds, dtype=torch.int32, device=x.device),
+                              cu_seqlens=cu_t,
                               A_log=self.A_log, dt_bias=self.dt_bias, lower_bound=self.lower_bound,
                               beta_is_logit=True)
         o = gated_rmsnorm(o[0], gate.view(T, HV, V), self.o_norm_weight, eps=self.norm_eps)

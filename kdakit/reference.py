@@ -73,8 +73,8 @@ def prepare_qk(q, k, num_value_heads, scale, use_qk_l2norm=True):
     return expand_to_value_heads(q * scale, num_value_heads), expand_to_value_heads(k, num_value_heads)
 
 
-def conv_step(x, window, weight, bias=None, activation_dtype=None):
-    """Causal short conv of one token with SiLU.
+def conv_step(x, window, weight, bias=None, activation_dtype=None, silu=True):
+    """Causal short conv of one token with SiLU (none when ``silu=False``).
 
     ``x [..., C]``; ``window [..., C, W-1]`` (oldest first); ``weight [C, W]``.
     Returns ``(y [..., C], new_window)``; ``y`` is rounded to ``activation_dtype``
@@ -83,7 +83,8 @@ def conv_step(x, window, weight, bias=None, activation_dtype=None):
     y = (window * weight[:, :-1]).sum(-1) + weight[:, -1] * x
     if bias is not None:
         y = y + bias
-    y = F.silu(y)
+    if silu:
+        y = F.silu(y)
     if activation_dtype is not None:
         y = y.to(activation_dtype).to(x.dtype)
     return y, torch.cat([window[..., 1:], x[..., None]], dim=-1)
@@ -145,6 +146,47 @@ def causal_conv1d_update(x, conv_state, weight, slot_indices, out, *, bias=None,
     conv_state[slots] = window.to(conv_state.dtype)
     out.zero_()
     out[rows] = y.to(out.dtype)
+    return out
+
+
+def causal_conv1d_varlen(x, conv_state, weight, cu_seqlens, slot_indices, out, *, has_initial_state=None,
+                         bias=None, activation=True, compute_dtype=torch.float32):
+    """Short conv (SiLU when ``activation``) of the tokens ``x [T, C]`` of ``N`` sequences split by
+    ``cu_seqlens [N+1]``; ``out [T, C]`` gets every token's output, rounded to ``out``'s dtype.
+
+    Sequence ``n`` (tokens ``cu_seqlens[n] .. cu_seqlens[n+1]``) starts from the window
+    ``conv_state[slot]``, ``slot = slot_indices[n]``, when the slot is in the pool (``0 <= slot <
+    slots``) and ``has_initial_state[n]`` (all True when not given); from zeros otherwise. Then the
+    slot, when in the pool, holds the last ``W-1`` entries of ``[starting window, the sequence's
+    inputs]`` (the window shifted by the sequence's length). A slot outside the pool (< 0:
+    padding) is neither read nor written; a sequence of length 0 writes nothing.
+    """
+    cd = compute_dtype
+    C, W = weight.shape
+    num_slots = conv_state.shape[0]
+    bounds = cu_seqlens.tolist()
+    slots = slot_indices.tolist()
+    starts_from_slot = [True] * len(slots) if has_initial_state is None else has_initial_state.tolist()
+    w = weight.to(cd)
+    b = None if bias is None else bias.to(cd)
+    T = x.shape[0]
+    for n, slot in enumerate(slots):
+        s, e = max(bounds[n], 0), min(bounds[n + 1], T)  # offsets outside [0, T] (unchecked by default) clip
+        if e <= s:
+            continue
+        in_pool = 0 <= slot < num_slots
+        if in_pool and starts_from_slot[n]:
+            window = conv_state[slot].to(cd)                                  # [C, W-1], oldest first
+        else:
+            window = torch.zeros(C, W - 1, dtype=cd, device=x.device)
+        # Token by token, as the math reads (and as a chain of one-token updates computes it,
+        # bit for bit: PyTorch's vectorised SiLU rounds by a tensor's shape, so no batching).
+        for t in range(s, e):
+            y, window = conv_step(x[t:t + 1].to(cd), window[None], w, b, activation_dtype=out.dtype, silu=activation)
+            window = window[0]
+            out[t] = y[0].to(out.dtype)
+        if in_pool:
+            conv_state[slot] = window.to(conv_state.dtype)
     return out
 
 

@@ -50,6 +50,16 @@ _unfused_chain(qkv, conv_w, conv_state, aa, bb, A_log, dt_bias, state, slots_b.c
 assert COMPILED_FOR_TARGET[n_before:] == ["_causal_conv1d_update_kernel", "_packed_decode_kernel",
                                           "_gated_rmsnorm_kernel"], COMPILED_FOR_TARGET[n_before:]
 kdakit.causal_conv1d_update(mixed, conv_state, conv_w, idx, backend="triton")
+cu_var = torch.tensor([0, 3, 3, 20], dtype=torch.int32)
+slots_var = torch.tensor([1, -1, 2], dtype=torch.int32)
+x_var = rnd(20, C)
+for x_layout in (x_var, rnd(C, 20).t()):  # [T, C] rows; the transposed [C, T] view (tokens contiguous)
+    kdakit.causal_conv1d_varlen(x_layout, conv_state, conv_w, cu_var, slots_var, backend="triton")
+kdakit.causal_conv1d_varlen(x_var, rnd(slots, W - 1, C).transpose(1, 2), conv_w, cu_var.long(), slots_var,
+                            has_initial_state=torch.tensor([True, False, True]), bias=torch.randn(C),
+                            activation=None, backend="triton")
+kdakit.causal_conv1d_varlen(x_var, rnd(slots, C, 1), torch.randn(C, 2), cu_var, slots_var, backend="triton")  # W=2
+kdakit.causal_conv1d_varlen(x_var, conv_state, conv_w, cu_var[::3].contiguous(), slots_var[:1], backend="triton")  # N=1
 kdakit.gated_rmsnorm(rnd(N, HV, V), rnd(N, HV, V), torch.rand(V), backend="triton")
 q, k, v = rnd(N, T, H, K), rnd(N, T, H, K), rnd(N, T, HV, V)
 aT, bT = rnd(N, T, HV, K), rnd(N, T, HV)

@@ -8,7 +8,8 @@ import os
 import subprocess
 import sys
 
-EXPECTED = {"_packed_decode_kernel", "_fused_decode_kernel", "_causal_conv1d_update_kernel", "_gated_rmsnorm_kernel",
+EXPECTED = {"_packed_decode_kernel", "_fused_decode_kernel", "_causal_conv1d_update_kernel",
+            "_causal_conv1d_varlen_kernel", "_gated_rmsnorm_kernel",
             "_mtp_verify_kernel", "_ring_verify_steps_kernel", "_ring_verify_state_kernel", "_verify_conv_kernel",
             "_commit_ring_kernel", "_gather_copy_kernel", "_recurrent_forward_kernel"}
 

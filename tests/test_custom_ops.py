@@ -82,6 +82,19 @@ def conv1d_case(seed, *, out=True):
     return kdakit.causal_conv1d_update, args, kw
 
 
+def conv1d_varlen_case(seed, *, out=True):
+    g = _gen(seed)
+    T, C, slots = 9, 24, 5
+    # x as the transposed [C, T] view engines hold, the pool as sglang's [slots, W-1, C] transposed
+    args = (_rnd(g, C, T, dtype=BF16).t(), _rnd(g, slots, W - 1, C, dtype=BF16).transpose(1, 2),
+            _rnd(g, C, W, s=0.5), torch.tensor([0, 4, 5, 9], dtype=torch.int32),
+            torch.tensor([3, -1, 0], dtype=torch.int64))
+    kw = dict(has_initial_state=torch.tensor([True, True, False]), bias=_rnd(g, C, s=0.1))
+    if out:
+        kw["out"] = torch.full((T, C), 7.0, dtype=BF16)
+    return kdakit.causal_conv1d_varlen, args, kw
+
+
 def gated_rmsnorm_case(seed, *, out=True):
     g = _gen(seed)
     B, HV, V = 3, 2, 16
@@ -172,6 +185,8 @@ CASES = {
     "fused_decode": fused_decode_case,
     "fused_decode-out=None": lambda s: fused_decode_case(s, out=False),
     "causal_conv1d_update": conv1d_case,
+    "causal_conv1d_varlen": conv1d_varlen_case,
+    "causal_conv1d_varlen-out=None": lambda s: conv1d_varlen_case(s, out=False),
     "gated_rmsnorm": gated_rmsnorm_case,
     "gated_rmsnorm-out=None": lambda s: gated_rmsnorm_case(s, out=False),
     "mtp_verify-snapshot": mtp_verify_case,
@@ -323,6 +338,8 @@ def _opcheck_args(case):
                                 kw["norm_weight"], 1e-6, None)
     if case.startswith("causal_conv1d_update"):
         return "causal_conv1d_update", (*args, kw["out"], kw["bias"], None)
+    if case.startswith("causal_conv1d_varlen"):
+        return "causal_conv1d_varlen", (*args, kw["out"], kw["has_initial_state"], kw["bias"], True, None)
     if case.startswith("gated_rmsnorm"):
         x, gate, weight = args
         groups = kdakit.contracts.check_gated_rmsnorm(x, gate, weight, kw["out"], eps=kw["eps"])
@@ -343,7 +360,7 @@ def _opcheck_args(case):
     raise AssertionError(case)
 
 
-OPCHECK_CASES = ["packed_decode", "fused_decode", "causal_conv1d_update", "gated_rmsnorm", "mtp_verify-snapshot",
+OPCHECK_CASES = ["packed_decode", "fused_decode", "causal_conv1d_update", "causal_conv1d_varlen", "gated_rmsnorm", "mtp_verify-snapshot",
                  "commit_snapshots", "commit_ring-track", "recurrent_forward"]
 
 
@@ -357,8 +374,8 @@ def test_opcheck(case):
 
 
 def test_every_public_op_is_registered():
-    public = {"packed_decode", "fused_decode", "causal_conv1d_update", "gated_rmsnorm", "mtp_verify",
-              "commit_snapshots", "commit_ring", "recurrent_forward"}
+    public = {"packed_decode", "fused_decode", "causal_conv1d_update", "causal_conv1d_varlen", "gated_rmsnorm",
+              "mtp_verify", "commit_snapshots", "commit_ring", "recurrent_forward"}
     assert set(custom_ops.OPS) == public
     for name in public:
         schema = getattr(torch.ops.kdakit, name).default._schema

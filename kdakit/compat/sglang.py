@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from ..ops.commit import commit_ring
+from ..ops.conv1d_varlen import causal_conv1d_varlen
 from ..ops.mtp_verify import mtp_verify
 from ..ops.packed_decode import packed_decode
 from ..ops.packed_decode_helion import helion_fused_recurrent_kda_packed_decode  # noqa: F401  (re-exported)
@@ -122,3 +123,64 @@ def commit_kda_replayssm_spec(checkpoint_state, rawv_cache, rawk_cache, gk_cache
 
 
 commit_kda_replayssm_spec_all_layers = commit_kda_replayssm_spec
+
+
+# ----------------------------------------------------------------------------
+# The extend path's short conv
+# ----------------------------------------------------------------------------
+PAD_SLOT_ID = -1
+
+
+def causal_conv1d_fn(x, weight, bias=None, query_start_loc=None, cache_indices=None, has_initial_state=None,
+                     conv_states=None, activation="silu", pad_slot_id=PAD_SLOT_ID, **kwargs):
+    """sglang's varlen ``causal_conv1d_fn`` (the public one of its ``mamba/causal_conv1d.py``: the same
+    keywords and defaults; the positional order of x, weight, bias agrees with its Triton version too).
+
+    ``x [dim, cu_seq_len]`` channels first (the transposed view of a ``[T, dim]`` projection works),
+    ``weight [dim, W]``, ``bias [dim]``, ``query_start_loc [N+1]`` (None: one sequence),
+    ``cache_indices [N]`` (None: sequence n uses slot n), ``has_initial_state [N]`` (None: every
+    sequence starts from zeros, as in sglang), ``conv_states [slots, dim, W-1]`` updated in place
+    (None: no windows), ``activation`` "silu"/"swish"/True or None. A sequence whose cache index is
+    ``pad_slot_id`` is padding: no window is read or written for it (its outputs are computed from
+    zeros, where sglang leaves them unwritten). Other keywords (``seq_lens_cpu``, ``metadata``,
+    ``validate_data``) are accepted and unused: nothing here needs the lengths on the host.
+
+    Returns a new ``[dim, cu_seq_len]`` tensor laid out like x, as sglang's Triton path does; x
+    itself is not modified (sglang's CUDA path writes x in place and returns it: use the return
+    value, as sglang's callers do). Weights and bias of another dtype are cast to float32.
+    """
+    del kwargs
+    if activation is True:
+        activation = "silu"
+    elif activation is False:
+        activation = None
+    if activation not in [None, "silu", "swish"]:
+        raise NotImplementedError("activation must be None, silu, or swish")
+    if x.dim() != 2:
+        raise ValueError(f"`x` must be the varlen layout [dim, cu_seq_len] (got shape {tuple(x.shape)}); "
+                         "flatten a [batch, dim, seqlen] input and pass query_start_loc.")
+    dim, T = x.shape
+    dev = x.device
+    if query_start_loc is None:
+        query_start_loc = torch.tensor([0, T], dtype=torch.int32, device=dev)
+    N = query_start_loc.numel() - 1
+    weight = weight if weight.dtype == torch.float32 and weight.is_contiguous() else weight.float().contiguous()
+    if bias is not None and not (bias.dtype == torch.float32 and bias.is_contiguous()):
+        bias = bias.float().contiguous()
+    if conv_states is None:  # no windows: every sequence starts from zeros and writes none
+        conv_states = torch.zeros(1, dim, max(weight.shape[-1] - 1, 1), dtype=x.dtype, device=dev)
+        slots = torch.full((N,), -1, dtype=torch.int32, device=dev)
+    elif cache_indices is None:
+        slots = torch.arange(N, dtype=torch.int32, device=dev)
+    elif pad_slot_id is not None and pad_slot_id != -1:
+        slots = torch.where(cache_indices == pad_slot_id, -1, cache_indices)
+    else:
+        slots = cache_indices
+    if has_initial_state is None:
+        has_initial_state = torch.zeros(N, dtype=torch.bool, device=dev)
+    elif has_initial_state.dtype != torch.bool:
+        has_initial_state = has_initial_state.bool()
+    out = torch.empty_like(x)
+    causal_conv1d_varlen(x.t(), conv_states, weight, query_start_loc, slots, has_initial_state=has_initial_state,
+                         bias=bias, activation=activation, out=out.t())
+    return out

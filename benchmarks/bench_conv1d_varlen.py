@@ -1,0 +1,162 @@
+"""Varlen short conv (the extend path) on the GPU: correctness, then bandwidth against the copy ceiling.
+
+    python benchmarks/bench_conv1d_varlen.py [--quick] [--sweep]
+
+Checks first, at real sizes: the float64 reference (varlen batches with short and padding
+sequences, x as rows and as the transposed [C, T] view, transposed pools), a chain of one-token
+causal_conv1d_update calls (bitwise), and a CUDA-graph replay against eager (bitwise). Then
+times kdakit.causal_conv1d_varlen on C = 12288 channels (Kimi's q|k|v at H = HV = 32, K = V = 128),
+bf16, HBM-resident through harness.graph_time_us; bytes = x read once + out written once + the
+windows read and written. ``--sweep`` also times other (BLOCK_T, BLOCK_C, num_warps) configs.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+import harness  # noqa: E402
+
+import kdakit  # noqa: E402
+from kdakit import reference  # noqa: E402
+from kdakit.ops.conv1d_varlen import causal_conv1d_varlen, causal_conv1d_varlen_triton  # noqa: E402
+
+DEV = "cuda"
+BF16 = torch.bfloat16
+
+
+def make(lengths, C, W=4, *, layout="rows", pool_layout="transposed", spare=4, seed=0, dtype=BF16):
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    N, T = len(lengths), sum(lengths)
+    slots = N + spare
+    x = (torch.randn(C, T, device=DEV, generator=gen).to(dtype).t() if layout == "transposed"
+         else torch.randn(T, C, device=DEV, generator=gen).to(dtype))
+    conv = (torch.randn(slots, W - 1, C, device=DEV, generator=gen).to(dtype).transpose(1, 2)
+            if pool_layout == "transposed" else torch.randn(slots, C, W - 1, device=DEV, generator=gen).to(dtype))
+    idx = torch.randperm(slots, device=DEV, generator=gen)[:N].to(torch.int32)
+    cu = torch.zeros(N + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int32), 0)
+    return {"x": x, "conv_state": conv, "weight": torch.randn(C, W, device=DEV, generator=gen) * 0.5,
+            "cu_seqlens": cu.to(DEV), "slot_indices": idx,
+            "has_initial_state": torch.rand(N, device=DEV, generator=gen) < 0.7,
+            "bias": torch.randn(C, device=DEV, generator=gen) * 0.1}
+
+
+def call(t, out, config=None):
+    if config is None:
+        return causal_conv1d_varlen(t["x"], t["conv_state"], t["weight"], t["cu_seqlens"], t["slot_indices"],
+                                    has_initial_state=t["has_initial_state"], bias=t["bias"], out=out)
+    return causal_conv1d_varlen_triton(t["x"], t["conv_state"], t["weight"], t["cu_seqlens"], t["slot_indices"],
+                                       out, has_initial_state=t["has_initial_state"], bias=t["bias"], config=config)
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def checks():
+    lines = []
+    for layout in ("rows", "transposed"):
+        for lengths in ([1, 2, 37, 3, 130, 1, 64, 9], [1] * 40, [513, 7, 250]):
+            t = make(lengths, 1536, layout=layout, seed=len(lengths))
+            t["slot_indices"][1] = -1
+            ref_conv = t["conv_state"].double()
+            ref_out = torch.empty(t["x"].shape, dtype=torch.float64, device=DEV)
+            reference.causal_conv1d_varlen(t["x"].double(), ref_conv, t["weight"].double(), t["cu_seqlens"],
+                                           t["slot_indices"], ref_out, has_initial_state=t["has_initial_state"],
+                                           bias=t["bias"].double(), compute_dtype=torch.float64)
+            out = torch.full_like(t["x"], float("nan"))
+            call(t, out)
+            err = rel(out, ref_out)
+            live = t["slot_indices"][t["slot_indices"] >= 0].long()
+            win_ok = torch.equal(t["conv_state"][live], ref_conv[live].to(BF16))
+            lines.append(f"float64 reference, x {layout}, {len(lengths)} seqs: out rel err {err:.2e}, "
+                         f"windows bitwise {win_ok}")
+            assert err < 1e-2 and win_ok, lines[-1]
+    # Bitwise against chained one-token updates (float32 and bf16, pool in x's dtype).
+    for dtype in (torch.float32, BF16):
+        t = make([5, 1, 2, 40, 3], 1024, dtype=dtype, pool_layout="contiguous", seed=7)
+        t["has_initial_state"][:] = True
+        chain_pool, chain_out = t["conv_state"].clone(), torch.empty_like(t["x"])
+        bounds = t["cu_seqlens"].tolist()
+        for n, slot in enumerate(t["slot_indices"].tolist()):
+            for tok in range(bounds[n], bounds[n + 1]):
+                kdakit.causal_conv1d_update(t["x"][tok:tok + 1], chain_pool, t["weight"],
+                                            t["slot_indices"][n:n + 1], bias=t["bias"], out=chain_out[tok:tok + 1])
+        out = torch.empty_like(t["x"])
+        call(t, out)
+        ok = torch.equal(out, chain_out) and torch.equal(t["conv_state"], chain_pool)
+        lines.append(f"one-token update chain, {dtype}: bitwise {ok}")
+        assert ok, lines[-1]
+    # CUDA graph replay equals eager.
+    t = make([300, 1, 77, 2], 12288, layout="transposed", seed=9)
+    pool0 = t["conv_state"].clone()
+    eager_out = torch.empty_like(t["x"])
+    call(t, eager_out)
+    eager_pool = t["conv_state"].clone()
+    t["conv_state"].copy_(pool0)
+    graph_out = torch.empty_like(t["x"])
+    call(t, graph_out)  # warm (compiled) before capture
+    t["conv_state"].copy_(pool0)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        call(t, graph_out)
+    t["conv_state"].copy_(pool0)
+    graph_out.zero_()
+    g.replay()
+    torch.cuda.synchronize()
+    ok = torch.equal(graph_out, eager_out) and torch.equal(t["conv_state"], eager_pool)
+    lines.append(f"CUDA graph replay == eager: {ok}")
+    assert ok, lines[-1]
+    return lines
+
+
+def bench(quick, sweep):
+    ceiling = harness.copy_ceiling_gbps()
+    print(f"copy ceiling {ceiling:.0f} GB/s")
+    C = 12288
+    rows = []
+    cases = [(1, 4096), (8, 4096), (64, 4096), (8, 16384), (256, 256)] if not quick else [(8, 4096)]
+    configs = [None]
+    if sweep:
+        configs += [(32, 128, 4), (64, 64, 4), (64, 128, 4), (128, 64, 4), (32, 256, 4), (64, 128, 8), (16, 256, 4)]
+    for N, T in cases:
+        lengths = [T // N] * N
+        lengths[0] += T - sum(lengths)
+        for layout in ("rows", "transposed"):
+            nbytes = 2 * T * C * 2 + 2 * N * C * 3 * 2
+            L = harness.layers_for(nbytes, max_layers=64)
+            layers = [make(lengths, C, layout=layout, seed=s) for s in range(L)]
+            outs = [torch.empty_like(x["x"]) for x in layers]
+            for cfg in configs:
+                us = harness.graph_time_us([lambda t=t, o=o, cfg=cfg: call(t, o, cfg) for t, o in zip(layers, outs)])
+                r = harness.row(f"N={N} T={T} x {layout} cfg={cfg}", us, nbytes, ceiling)
+                rows.append(r)
+                print(r, flush=True)
+            del layers, outs
+            torch.cuda.empty_cache()
+    return rows
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--sweep", action="store_true")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    for line in checks():
+        print(line, flush=True)
+    rows = bench(args.quick, args.sweep)
+    results = harness.new_results()
+    results["rows"] = rows
+    harness.close_results(results)
+    print(harness.save(results, "conv1d_varlen", args.out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,231 @@
+"""Causal short conv of the tokens of several sequences (the extend / prefill path).
+
+``x [T, C]`` holds the pre-conv inputs of ``N`` sequences back to back, split by
+``cu_seqlens [N+1]`` (any strides: the transposed ``[C, T]`` view engines keep works);
+``conv_state [slots, C, W-1]`` is the pool of windows (any strides; a pool stored as
+``[slots, W-1, C]`` and passed as ``.transpose(1, 2)`` works); ``weight [C, W]`` float32.
+Sequence ``n`` starts from ``conv_state[slot_indices[n]]`` when that slot is in the pool and
+``has_initial_state[n]`` (all True when not given), from zeros otherwise; every token's
+``SiLU(conv)`` goes to ``out`` rounded to x's dtype; afterwards the slot holds the last
+``W-1`` entries of [starting window, the sequence's inputs] (a sequence shorter than ``W-1``
+keeps the tail of its starting window). A slot < 0 (padding) or >= the pool's slot count
+starts from zeros and is neither read nor written; a sequence of length 0 writes nothing.
+
+The kernel needs no host sync (no ``.item()``, no allocation that depends on data): its grid
+is (channel blocks, tiles of ``BLOCK_T`` tokens) from the shapes alone, and each program finds
+the sequence of each of its tokens by a binary search over ``cu_seqlens``. It can be captured
+in a CUDA graph.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import contracts, reference
+from ..backends import register, select
+from .launch import CachedKernel
+
+
+@triton.jit
+def _count_below(cu_seqlens, N, v, step0):
+    """How many of ``cu_seqlens[0 .. N)`` are ``< v`` (offsets never decreasing), for a scalar or a
+    block ``v``: binary lifting over the powers of two from ``step0`` (the largest one <= N) down.
+    Loads stay inside ``cu_seqlens[0 .. N)`` whatever the offsets hold."""
+    count = v * 0
+    step = step0
+    while step > 0:
+        cand = count + step
+        val = tl.load(cu_seqlens + (tl.minimum(cand, N) - 1))
+        count = tl.where((cand <= N) & (val < v), cand, count)
+        step = step // 2
+    return count
+
+
+@triton.jit
+def _sequence_of(cu_seqlens, N, tok, step0):
+    """The sequence of each token position (the last n < N with ``cu_seqlens[n] <= tok``; 0 for
+    positions before every offset) and its first token."""
+    seq = tl.maximum(_count_below(cu_seqlens, N, tok + 1, step0) - 1, 0)
+    return seq, tl.load(cu_seqlens + seq).to(tl.int64)
+
+
+@triton.jit
+def _conv_rows(x, conv_state, weight, bias, slot_indices, has_initial_state, out,
+               tok, seq, bos, own, ch, mask_c, num_slots,
+               stride_x_t, stride_x_c, stride_out_t, stride_out_c, stride_conv_slot, stride_conv_chan, stride_conv_tap,
+               W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr, SILU: tl.constexpr):
+    """The outputs of the token positions ``tok`` (a block; ``seq``, ``bos``: their sequences and
+    first tokens) where ``own``, for channels ``ch``."""
+    slot = tl.load(slot_indices + seq).to(tl.int64)
+    from_slot = (slot >= 0) & (slot < num_slots)
+    if HAS_INIT_FLAGS:
+        from_slot = from_slot & (tl.load(has_initial_state + seq).to(tl.int32) != 0)
+    tok64 = tok.to(tl.int64)
+    ch64 = ch.to(tl.int64)  # channel * stride passes 2**31 in a transposed x (stride T)
+    win_rows = conv_state + slot * stride_conv_slot                # [BLOCK_T] pointers, one slot per token
+    win_chan = ch64[None, :] * stride_conv_chan
+    acc = tl.zeros([tok.shape[0], ch.shape[0]], dtype=tl.float32)
+    # Taps summed oldest first, then x_t, then the bias: the order of the one-token conv
+    # (triton_math.conv_apply), so chaining causal_conv1d_update gives the same numbers.
+    for j in tl.static_range(W):
+        pos = tok64 - (W - 1) + j                      # the input this tap reads
+        in_x = pos >= bos                              # inside the sequence: x; before it: the window
+        x_mask = own & in_x & (pos >= 0)
+        val = tl.load(x + pos[:, None] * stride_x_t + ch64[None, :] * stride_x_c,
+                      mask=x_mask[:, None] & mask_c[None, :], other=0.0).to(tl.float32)
+        if j < W - 1:
+            tap_idx = pos - bos + (W - 1)              # index into the window, oldest first
+            w_mask = own & (~in_x) & from_slot & (tap_idx >= 0)
+            from_win = tl.load(win_rows[:, None] + win_chan + tap_idx[:, None] * stride_conv_tap,
+                               mask=w_mask[:, None] & mask_c[None, :], other=0.0).to(tl.float32)
+            val = tl.where(in_x[:, None], val, from_win)
+        w_j = tl.load(weight + ch * W + j, mask=mask_c, other=0.0)
+        acc += w_j[None, :] * val
+    if HAS_BIAS:
+        acc += tl.load(bias + ch, mask=mask_c, other=0.0)[None, :]
+    if SILU:
+        acc = acc * tl.sigmoid(acc)
+    tl.store(out + tok64[:, None] * stride_out_t + ch64[None, :] * stride_out_c, acc.to(out.dtype.element_ty),
+             mask=own[:, None] & mask_c[None, :])
+
+
+@triton.jit
+def _causal_conv1d_varlen_kernel(
+    x, conv_state, weight, bias, cu_seqlens, slot_indices, has_initial_state, out,
+    T, C, N, num_slots, step0,
+    stride_x_t, stride_x_c, stride_out_t, stride_out_c, stride_conv_slot, stride_conv_chan, stride_conv_tap,
+    W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_SPILL: tl.constexpr,
+    BLOCK_TAPS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr, SILU: tl.constexpr,
+):
+    # One program per (block of channels, tile of BLOCK_T tokens). Tiles ignore sequence
+    # boundaries; each token finds its sequence with a binary search over cu_seqlens.
+    #
+    # The window rule (no race between programs): a sequence's old window is read by its first
+    # W-1 tokens (the outputs that reach back before the sequence) and, for a sequence shorter
+    # than W-1, by its new window. All of these belong to the one program whose tile holds the
+    # sequence's first token: a token t of sequence n with t - bos_n < W-1 is computed by the
+    # tile of bos_n, even when it lies in the next tile (the "spill" of at most W-2 tokens past
+    # this tile's end; BLOCK_T >= W-1 keeps it inside the next tile), and the next tile skips it.
+    # That program alone then writes the new window, after a barrier that orders its own reads of
+    # the old window before the stores. So every window has one reader and one writer, and reads
+    # come first. (Two sequences of one batch with the same live slot are outside the contract;
+    # full-check mode rejects them.) x is read-only and never aliases out.
+    i_c, i_t = tl.program_id(0), tl.program_id(1)
+    ch = i_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask_c = ch < C
+    t0 = i_t * BLOCK_T
+    tok = t0 + tl.arange(0, BLOCK_T)
+    seq, bos = _sequence_of(cu_seqlens, N, tok, step0)
+    own = (tok < T) & ((tok - bos >= W - 1) | (bos >= t0))
+    _conv_rows(x, conv_state, weight, bias, slot_indices, has_initial_state, out, tok, seq, bos, own, ch, mask_c,
+               num_slots, stride_x_t, stride_x_c, stride_out_t, stride_out_c, stride_conv_slot,
+               stride_conv_chan, stride_conv_tap, W, HAS_BIAS, HAS_INIT_FLAGS, SILU)
+    if W > 2:  # the first W-1 tokens of sequences starting here that lie in the next tile
+        spill = t0 + BLOCK_T + tl.arange(0, BLOCK_SPILL)
+        seq_s, bos_s = _sequence_of(cu_seqlens, N, spill, step0)
+        own_s = (spill < T) & (spill < t0 + BLOCK_T + (W - 2)) & (spill - bos_s < W - 1) & (bos_s < t0 + BLOCK_T)
+        _conv_rows(x, conv_state, weight, bias, slot_indices, has_initial_state, out, spill, seq_s, bos_s, own_s, ch,
+                   mask_c, num_slots, stride_x_t, stride_x_c, stride_out_t, stride_out_c, stride_conv_slot,
+                   stride_conv_chan, stride_conv_tap, W, HAS_BIAS, HAS_INIT_FLAGS, SILU)
+    tl.debug_barrier()  # every read of an old window above happens before any store below
+    # New windows of the sequences whose first token is in this tile: taps k = 0 .. W-2 are
+    # entries len+k of [old window (W-1), the sequence's inputs (len)].
+    k = tl.arange(0, BLOCK_TAPS)
+    ch64 = ch.to(tl.int64)
+    n = _count_below(cu_seqlens, N, t0, step0)
+    n_end = _count_below(cu_seqlens, N, t0 + BLOCK_T, step0)
+    while n < n_end:
+        seq_start = tl.load(cu_seqlens + n).to(tl.int64)
+        length = tl.load(cu_seqlens + n + 1).to(tl.int64) - seq_start
+        slot = tl.load(slot_indices + n).to(tl.int64)
+        live = (slot >= 0) & (slot < num_slots) & (length > 0)
+        num_taps = tl.where(live, W - 1, 0)            # folded into the bounds: no block & scalar masks
+        old_taps = num_taps
+        if HAS_INIT_FLAGS:
+            old_taps = tl.where(tl.load(has_initial_state + n).to(tl.int32) != 0, num_taps, 0)
+        src = length + k                               # [BLOCK_TAPS]
+        pos = seq_start + src - (W - 1)
+        win_rows = conv_state + slot * stride_conv_slot + ch64[None, :] * stride_conv_chan
+        from_x = tl.load(x + pos[:, None] * stride_x_t + ch64[None, :] * stride_x_c,
+                         mask=((src >= W - 1) & (k < num_taps) & (pos >= 0) & (pos < T))[:, None] & mask_c[None, :],
+                         other=0.0)
+        from_old = tl.load(win_rows + src[:, None] * stride_conv_tap,
+                           mask=(src < old_taps)[:, None] & mask_c[None, :], other=0.0)
+        new = tl.where((src >= W - 1)[:, None], from_x.to(conv_state.dtype.element_ty), from_old)
+        tl.debug_barrier()  # a tap may be held by several threads: all read before any writes
+        tl.store(win_rows + k[:, None] * stride_conv_tap, new, mask=(k < num_taps)[:, None] & mask_c[None, :])
+        n += 1
+
+
+_causal_conv1d_varlen = CachedKernel(_causal_conv1d_varlen_kernel)
+
+
+def _launch_config(x: torch.Tensor, channels: int) -> tuple:
+    """(BLOCK_T, BLOCK_C, num_warps), pinned (no autotune). Tiles of 32 tokens x 128 channels
+    (4 KB of bf16 read and written per program, 4 warps); 64 tokens x 64 channels when x is the
+    transposed view (tokens contiguous), so each channel's run of a tile fills a 128-byte line."""
+    block_c = min(64 if x.stride(0) == 1 and x.shape[0] > 1 else 128, triton.next_power_of_2(channels))
+    block_t = 64 if block_c == 64 else 32
+    return block_t, block_c, 4
+
+
+@register("causal_conv1d_varlen", "triton")
+def causal_conv1d_varlen_triton(x, conv_state, weight, cu_seqlens, slot_indices, out, *, has_initial_state=None,
+                                bias=None, activation=True, config=None):
+    """``config = (BLOCK_T, BLOCK_C, num_warps)`` overrides the pinned choice (sweeps, tests);
+    ``BLOCK_T >= W - 1``."""
+    T, C = x.shape
+    if T == 0:
+        return out
+    W = weight.shape[1]
+    N = cu_seqlens.numel() - 1
+    block_t, block_c, num_warps = config or _launch_config(x, C)
+    if block_t < W - 1:
+        raise ValueError(f"BLOCK_T={block_t} must be >= W-1={W - 1} (a sequence's window readers span two tiles "
+                         "at most).")
+    _causal_conv1d_varlen(
+        (triton.cdiv(C, block_c), triton.cdiv(T, block_t), 1),
+        (x, conv_state, weight, bias if bias is not None else weight, cu_seqlens, slot_indices,
+         has_initial_state if has_initial_state is not None else slot_indices, out,
+         T, C, N, conv_state.shape[0], 1 << max(N.bit_length() - 1, 0),
+         x.stride(0), x.stride(1), out.stride(0), out.stride(1),
+         conv_state.stride(0), conv_state.stride(1), conv_state.stride(2)),
+        dict(W=W, BLOCK_T=block_t, BLOCK_C=block_c, BLOCK_SPILL=triton.next_power_of_2(max(W - 2, 1)),
+             BLOCK_TAPS=triton.next_power_of_2(W - 1), HAS_BIAS=bias is not None,
+             HAS_INIT_FLAGS=has_initial_state is not None, SILU=bool(activation)),
+        num_warps=num_warps, num_stages=1)
+    return out
+
+
+@register("causal_conv1d_varlen", "reference")
+def causal_conv1d_varlen_reference(x, conv_state, weight, cu_seqlens, slot_indices, out, *,
+                                   has_initial_state=None, bias=None, activation=True):
+    return reference.causal_conv1d_varlen(x, conv_state, weight, cu_seqlens, slot_indices, out,
+                                          has_initial_state=has_initial_state, bias=bias, activation=activation)
+
+
+def causal_conv1d_varlen(x, conv_state, weight, cu_seqlens, slot_indices, *, has_initial_state=None, bias=None,
+                         activation="silu", out=None, backend=None, full_checks=None):
+    """Short conv of the tokens of ``N`` sequences; the slots' windows are left after each one's last token.
+
+    ``x [T, C]`` (float32/bfloat16/float16, any strides), ``conv_state [slots, C, W-1]`` (any
+    strides, updated in place), ``weight [C, W]`` and ``bias [C]`` float32, ``cu_seqlens [N+1]``
+    and ``slot_indices [N]`` int32/int64, ``has_initial_state [N]`` bool (None: every sequence
+    starts from its slot's window), ``activation`` ``"silu"`` (or ``"swish"``) or None.
+    Returns ``out [T, C]`` in x's dtype (allocated like x when not given; it must not share
+    memory with x).
+    """
+    if out is None:
+        out = torch.empty_like(x)
+    contracts.check_causal_conv1d_varlen(x, conv_state, weight, cu_seqlens, slot_indices, out,
+                                         has_initial_state=has_initial_state, bias=bias, activation=activation,
+                                         full_checks=full_checks)
+    silu = activation is not None
+    if torch.compiler.is_compiling() or type(x) is not torch.Tensor:  # traced: kdakit/custom_ops.py
+        torch.ops.kdakit.causal_conv1d_varlen(x, conv_state, weight, cu_seqlens, slot_indices, out,
+                                              has_initial_state, bias, silu, backend)
+        return out
+    _, impl = select("causal_conv1d_varlen", x.device, backend)
+    return impl(x, conv_state, weight, cu_seqlens, slot_indices, out, has_initial_state=has_initial_state,
+                bias=bias, activation=silu)
