@@ -283,3 +283,27 @@ def test_tree_speculation_loop_equals_plain_decode(backend):
         assert torch.equal(torch.cat(conv_states, dim=1)[live], plain_conv[live]), "committed conv windows"
     others = [s for s in range(d["slots"]) if s not in p["slot_indices"].tolist()]
     assert torch.equal(state[others], p["state"][others]), "slots of no request untouched"
+
+
+def test_custom_op_schema_fake_and_traced_branch():
+    """torch.ops.kdakit.tree_verify: declared mutations and the no-op fake (opcheck), and the
+    public entry's traced branch (a subclass tensor routes through the custom op) equals eager."""
+    from kdakit import custom_ops
+    p, d = make_problem(61, T=4, norm=True)
+    bufs = fresh_buffers(d)
+    out = torch.empty(p["v"].shape, dtype=p["v"].dtype)
+    flat = custom_ops.mtp_verify_tensors(p["conv_weights"], p["conv_states"], bufs["intermediate_conv"], None,
+                                         bufs["snapshots"], None)[:13]
+    args = (p["q"], p["k"], p["v"], p["a"], p["b"], p["A_log"], p["dt_bias"], p["state"], p["slot_indices"],
+            p["scratch_indices"], p["parents"], out, *flat, 16 ** -0.5, -2.0, p["norm_gate"], p["norm_weight"], 1e-6,
+            "reference")
+    torch.library.opcheck(torch.ops.kdakit.tree_verify.default, args, test_utils=("test_schema", "test_faketensor"))
+    eager = call_tree(p, fresh_buffers(d), conv=True, lower_bound=-2.0, backend="reference")
+    traced_bufs = fresh_buffers(d)
+    sub = dict(p)
+
+    class Marked(torch.Tensor):
+        pass
+    sub["q"] = p["q"].as_subclass(Marked)
+    traced = call_tree(sub, traced_bufs, conv=True, lower_bound=-2.0, backend="reference")
+    assert torch.equal(traced.as_subclass(torch.Tensor), eager)
