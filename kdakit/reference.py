@@ -371,7 +371,7 @@ def tree_conv(x, window, weight, parents_row, bias=None, activation_dtype=None):
 
 def tree_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, parents, out, *,
                 conv_weights=None, conv_states=None, intermediate_conv=None, conv_bias=None, snapshots=None,
-                scale=None, lower_bound=None, norm_gate=None, norm_weight=None, norm_eps=1e-6,
+                rings=None, scale=None, lower_bound=None, norm_gate=None, norm_weight=None, norm_eps=1e-6,
                 compute_dtype=torch.float32):
     """Verify a tree of ``T`` nodes per request (layouts of ``mtp_verify``; ``parents [N, T]``).
 
@@ -379,8 +379,10 @@ def tree_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indi
     the post-state (and windows) of node ``p = tree_parent(parents[n], t)``, or from the
     committed ones when ``p = -1``. Each node applies its own token with the one-token math;
     its post-state goes to ``snapshots[row, t]``, its windows to ``intermediate_conv[i][row, t]``.
-    A request whose slot or scratch row falls outside its buffer is a padding row: zero
-    output, nothing read or written. The persistent pools are only read.
+    With ``rings = (ring_k, ring_v, ring_g, ring_beta)`` (ring mode, no snapshots) node ``t``'s
+    post-conv k (before its L2 norm), v, log-decay g and β go to ring position ``t`` of the
+    slot instead. A request whose slot or scratch row falls outside its buffer is a padding
+    row: zero output, nothing read or written. The persistent pools are only read.
     """
     cd = compute_dtype
     N, T, H, K = q.shape
@@ -413,6 +415,37 @@ def tree_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indi
                 o = gated_rmsnorm(o, norm_gate[n, t].to(cd).view(HV, V), norm_weight.to(cd), norm_eps)
             out[n, t] = o.to(out.dtype)
             post.append(S)
-            if snapshots is not None:
+            if rings is not None:
+                ring_k, ring_v, ring_g, ring_beta = rings
+                ring_k[slot, :, t] = x[1][t].view(H, K).to(ring_k.dtype)
+                ring_v[slot, :, t] = x[2][t].view(HV, V).to(ring_v.dtype)
+                ring_g[slot, :, t] = g_t.to(ring_g.dtype)
+                ring_beta[slot, :, t] = kda_beta(b[n, t].to(cd)).to(ring_beta.dtype)
+            elif snapshots is not None:
                 snapshots[row, t] = S.to(snapshots.dtype)
     return out
+
+
+def commit_tree_ring(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, paths, accept_lens, *,
+                     use_qk_l2norm=True, null_block_id=-1, compute_dtype=torch.float32):
+    """Fold the accepted path of a ring-mode tree verify into ``state[slot]`` in place: the
+    ring entries of nodes ``paths[n, 0 .. accept_lens[n] - 1]`` (node ids, root first), in
+    order. Rows with slot ``<= null_block_id`` (or outside the pool), ``accept_lens <= 0``, or
+    a path node outside the rings are skipped."""
+    cd = compute_dtype
+    HV, L = ring_g.shape[1], ring_g.shape[2]
+    for n in range(slot_indices.shape[0]):
+        slot, steps = int(slot_indices[n]), min(int(accept_lens[n]), paths.shape[1])
+        nodes = [int(x) for x in paths[n, :max(steps, 0)]]
+        if slot <= null_block_id or not 0 <= slot < state.shape[0] or steps <= 0 or \
+                not all(0 <= x < L for x in nodes):
+            continue
+        S = state[slot].to(cd)
+        for t in nodes:
+            k_t = ring_k[slot, :, t].to(cd)
+            if use_qk_l2norm:
+                k_t = l2_normalize(k_t)
+            k_t = expand_to_value_heads(k_t, HV)
+            _, S = delta_rule_step(S, torch.zeros_like(k_t), k_t, ring_v[slot, :, t].to(cd),
+                                   ring_g[slot, :, t].to(cd), ring_beta[slot, :, t].to(cd))
+        state[slot] = S.to(state.dtype)

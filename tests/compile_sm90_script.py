@@ -113,5 +113,10 @@ kdakit.tree_verify(tq, tk, tv, ta, tb, torch.rand(HT), torch.randn(HT * K), t_st
                    backend="triton", **t_conv)
 kdakit.tree_verify(tq, tk, tv, ta, tb, torch.rand(HT), torch.randn(HT * K), t_state.to(bf), idx, scratch,
                    t_parents.long(), snapshots=t_snaps, backend="triton")
+t_rings = (rnd(slots, HT, TT, K), rnd(slots, HT, TT, V), torch.zeros(slots, HT, TT, K), torch.zeros(slots, HT, TT))
+kdakit.tree_verify(tq, tk, tv, ta, tb, torch.rand(HT), torch.randn(HT * K), t_state, idx, scratch, t_parents,
+                   rings=t_rings, backend="triton", **t_conv)
+kdakit.commit_tree_ring(t_state, *t_rings, idx, torch.tensor([[0, 1, 3, -1], [0, 1, 2, 3]], dtype=torch.int32),
+                        torch.tensor([3, 4], dtype=torch.int32), backend="triton")
 print(" ".join(COMPILED_FOR_TARGET))
 sys.exit(0)

@@ -201,7 +201,7 @@ def test_error_contract():
         call_tree(dict(p, parents=p["parents"].t().contiguous().t()), bufs, conv=True, lower_bound=None)
     with pytest.raises(ValueError, match="`parents` must be an int32 or int64 tensor"):
         call_tree(dict(p, parents=p["parents"].float()), bufs, conv=True, lower_bound=None)
-    with pytest.raises(ValueError, match="`snapshots` is required"):
+    with pytest.raises(ValueError, match="a tree verify needs `snapshots`"):
         call_tree(p, dict(bufs, snapshots=None), conv=True, lower_bound=None)
     with pytest.raises(ValueError, match="`snapshots` must be"):
         call_tree(p, dict(bufs, snapshots=bufs["snapshots"][:, :2]), conv=True, lower_bound=None)
@@ -293,7 +293,7 @@ def test_custom_op_schema_fake_and_traced_branch():
     bufs = fresh_buffers(d)
     out = torch.empty(p["v"].shape, dtype=p["v"].dtype)
     flat = custom_ops.mtp_verify_tensors(p["conv_weights"], p["conv_states"], bufs["intermediate_conv"], None,
-                                         bufs["snapshots"], None)[:13]
+                                         bufs["snapshots"], None)
     args = (p["q"], p["k"], p["v"], p["a"], p["b"], p["A_log"], p["dt_bias"], p["state"], p["slot_indices"],
             p["scratch_indices"], p["parents"], out, *flat, 16 ** -0.5, -2.0, p["norm_gate"], p["norm_weight"], 1e-6,
             "reference")
@@ -307,3 +307,76 @@ def test_custom_op_schema_fake_and_traced_branch():
     sub["q"] = p["q"].as_subclass(Marked)
     traced = call_tree(sub, traced_bufs, conv=True, lower_bound=-2.0, backend="reference")
     assert torch.equal(traced.as_subclass(torch.Tensor), eager)
+
+
+def ring_buffers(d, L=None):
+    L = L or d["T"] + 1
+    return (torch.full((d["slots"], d["H"], L, d["K"]), POISON, dtype=d["act"]),
+            torch.full((d["slots"], d["HV"], L, d["V"]), POISON, dtype=d["act"]),
+            torch.full((d["slots"], d["HV"], L, d["K"]), POISON),
+            torch.full((d["slots"], d["HV"], L), POISON))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("conv,HV,act", [(True, 2, torch.bfloat16), (False, 1, torch.float32)],
+                         ids=["conv-HV2-bf16", "noconv-HV1-f32"])
+def test_ring_mode_equals_snapshot_mode_and_ring_commit_is_bitwise(backend, conv, HV, act):
+    """Ring-mode tree verify: the same outputs and windows as snapshot mode (bitwise on the
+    Triton path: a node off the previous one refolds its parent's path from the inputs), the
+    ring entries at the node positions, nothing else written; commit_tree_ring of every
+    root-to-node path equals that node's snapshot bit for bit."""
+    T = 6
+    p, d = make_problem(71, T=T, HV=HV, act=act, conv=conv, K=16, V=16)
+    p["slot_indices"][1] = -1
+    snap_bufs, ring_bufs = fresh_buffers(d), fresh_buffers(d)
+    rings = ring_buffers(d)
+    snap_out = call_tree(p, snap_bufs, conv=conv, lower_bound=-2.0, backend=backend)
+    ring_out = call_tree(p, dict(ring_bufs, snapshots=None), conv=conv, lower_bound=-2.0, backend=backend,
+                         rings=rings)
+    if backend == "triton":
+        assert torch.equal(ring_out, snap_out)
+    else:
+        assert_close(ring_out, snap_out, 1e-6, "ring vs snapshot outputs")
+    if conv:
+        for x, y in zip(ring_bufs["intermediate_conv"], snap_bufs["intermediate_conv"]):
+            assert torch.equal(x, y)
+    assert (ring_bufs["snapshots"] == POISON).all(), "ring mode writes no snapshot"
+    live = p["slot_indices"] >= 0
+    others = torch.ones(d["slots"], dtype=torch.bool)
+    others[p["slot_indices"][live].long()] = False
+    for r in rings:
+        assert (r[others] == POISON).all() and (r[:, :, T] == POISON).all(), "only the live slots' T positions"
+    # every node's path, folded from the rings, equals the node's snapshot
+    trees = p["parents"].tolist()
+    for node in range(T):
+        paths = torch.full((d["N"], T), -1, dtype=torch.int32)
+        lens = torch.zeros(d["N"], dtype=torch.int32)
+        for n in range(d["N"]):
+            path = path_to(trees[n], node)
+            paths[n, :len(path)] = torch.tensor(path)
+            lens[n] = len(path)
+        state = p["state"].clone()
+        kdakit.commit_tree_ring(state, *rings, p["slot_indices"], paths, lens, backend=backend)
+        for n in torch.nonzero(live).flatten().tolist():
+            slot, row = int(p["slot_indices"][n]), int(p["scratch_indices"][n])
+            want = snap_bufs["snapshots"][row, node]
+            if backend == "triton":
+                assert torch.equal(state[slot], want), f"request {n} node {node}"
+            else:
+                assert_close(state[slot], want, 1e-6, f"request {n} node {node}")
+        assert torch.equal(state[others], p["state"][others])
+
+
+def test_ring_commit_skips_rows_outside_their_buffers():
+    p, d = make_problem(73, T=4, conv=False)
+    rings = ring_buffers(d)
+    call_tree(p, {"snapshots": None}, conv=False, lower_bound=None, backend="triton", rings=rings)
+    state = p["state"].clone()
+    slots = torch.tensor([p["slot_indices"][0], d["slots"] + 3, p["slot_indices"][2]], dtype=torch.int32)
+    paths = torch.tensor([[0, 9, 1, 1], [0, 1, 2, 3], [0, 1, -1, -1]], dtype=torch.int32)  # node 9: outside the rings
+    kdakit.commit_tree_ring(state, *rings, slots, paths, torch.tensor([2, 4, 0], dtype=torch.int32),
+                            backend="triton")
+    assert torch.equal(state, p["state"])
+    with pytest.raises(ValueError, match="`paths` holds node ids"):
+        kdakit.commit_tree_ring(state, *rings, p["slot_indices"], paths, torch.tensor([2, 4, 0], dtype=torch.int32),
+                                full_checks=True)
