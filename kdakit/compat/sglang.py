@@ -122,3 +122,7 @@ def commit_kda_replayssm_spec(checkpoint_state, rawv_cache, rawk_cache, gk_cache
 
 
 commit_kda_replayssm_spec_all_layers = commit_kda_replayssm_spec
+
+
+# Tree target verify (EAGLE top-k > 1): kdakit/compat/sglang_tree.py
+from .sglang_tree import causal_conv1d_update, fused_sigmoid_gating_delta_rule_update  # noqa: E402,F401

@@ -126,3 +126,25 @@ def tree_conv(q, k, v, conv_weights, conv_bias, conv_states, intermediate_conv, 
              HAS_BIAS=conv_bias is not None, LAUNCH_DEPENDENTS=bool(launch_dependents)),
         num_warps=NUM_WARPS, num_stages=1)
     return post
+
+
+def tree_conv_channels(x, conv_state, weight, bias, intermediate, slot_indices, scratch_indices, parents, *,
+                       num_rows):
+    """The tree conv of one group of channels: ``x [N, T, C]`` contiguous pre-conv inputs,
+    ``conv_state [slots, C, W-1]`` (read only), ``weight [C, W]`` float32, ``intermediate
+    [scratch, >=T, C, W-1]`` (contiguous inner dims). Returns the post-conv ``[N, T, C]``."""
+    N, T, C = x.shape
+    post = torch.empty_like(x)
+    parents = parents.contiguous()  # the kernel reads row n at n * T
+    W = weight.shape[1]
+    strides = (conv_state.stride(0), conv_state.stride(1), conv_state.stride(2))
+    _tree_conv(
+        (triton.cdiv(C, BLOCK_C), N, 1),  # part 0 only: the q slot of the kernel carries the group
+        (x, x, x, weight, weight, weight, *((bias,) * 3 if bias is not None else (weight,) * 3),
+         conv_state, conv_state, conv_state, intermediate, intermediate, intermediate, post, post, post,
+         slot_indices, scratch_indices, parents, *strides * 3,
+         *((intermediate.stride(0), intermediate.stride(1)) * 3), conv_state.shape[0], int(num_rows)),
+        dict(C_QK=C, C_V=C, T=T, W=W, BLOCK_C=BLOCK_C, BLOCK_TAPS=triton.next_power_of_2(W - 1),
+             HAS_BIAS=bias is not None, LAUNCH_DEPENDENTS=False),
+        num_warps=NUM_WARPS, num_stages=1)
+    return post
