@@ -59,7 +59,9 @@ def _commit_tree_ring_kernel(
     j = 0
     while j < num:
         node = tl.load(path + j).to(tl.int64)
-        k_t, v_t, g_t, beta_t = _load_ring_step(p_k, p_v, p_g, p_b, node, active, mask_k, mask_v, K, V)
+        # live=True: an inactive request never enters this loop (num = 0); a constant, as a
+        # block & scalar mask is what Triton 3.9 rejects
+        k_t, v_t, g_t, beta_t = _load_ring_step(p_k, p_v, p_g, p_b, node, True, mask_k, mask_v, K, V)
         if USE_QK_L2NORM:
             k_t = l2_normalize(k_t)
         S = delta_rule_update(S, k_t, v_t, g_t, beta_t)
