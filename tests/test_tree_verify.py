@@ -380,3 +380,25 @@ def test_ring_commit_skips_rows_outside_their_buffers():
     with pytest.raises(ValueError, match="`paths` holds node ids"):
         kdakit.commit_tree_ring(state, *rings, p["slot_indices"], paths, torch.tensor([2, 4, 0], dtype=torch.int32),
                                 full_checks=True)
+
+
+def test_compile_fullgraph_matches_eager():
+    """Under torch.compile(fullgraph=True) the public entry traces to torch.ops.kdakit.tree_verify
+    (shape checks at trace time) and writes what eager writes."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    p, d = make_problem(81, T=4, norm=True)
+    eager_bufs, compiled_bufs = fresh_buffers(d), fresh_buffers(d)
+    eager = call_tree(p, eager_bufs, conv=True, lower_bound=-2.0, backend="reference")
+    counter = CompileCounterWithBackend("aot_eager")
+
+    def fn(p, bufs):
+        out = call_tree(p, bufs, conv=True, lower_bound=-2.0, backend="reference")
+        return out, out.float().sum()
+    got, checksum = torch.compile(fn, fullgraph=True, backend=counter)(p, compiled_bufs)
+    assert counter.frame_count == 1
+    called = [n.target for n in counter.graphs[0].graph.nodes if n.op == "call_function"]
+    assert torch.ops.kdakit.tree_verify.default in called or torch.ops.kdakit.tree_verify in called, called
+    assert torch.equal(got, eager) and checksum == eager.float().sum()
+    assert torch.equal(compiled_bufs["snapshots"], eager_bufs["snapshots"])
+    for x, y in zip(compiled_bufs["intermediate_conv"], eager_bufs["intermediate_conv"]):
+        assert torch.equal(x, y)
