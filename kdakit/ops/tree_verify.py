@@ -1,4 +1,4 @@
-"""Tree verify: speculative trees (EAGLE top-k > 1), snapshot mode.
+"""Tree verify: speculative trees (EAGLE top-k > 1), snapshot and ring modes.
 
 Request ``n`` brings ``T`` nodes; node ``t`` has parent ``p = parents[n, t]``. Node 0 starts
 from the committed state ``state[slot]`` and conv windows whatever ``parents[n, 0]``
@@ -16,6 +16,11 @@ a tree whose parents form a chain computes exactly what ``mtp_verify`` computes:
 ``p == t - 1`` the state stays in registers; otherwise the program reloads its own tile of
 node ``p``'s snapshot (or of the committed state), after a barrier that makes its threads'
 snapshot stores visible. The short conv runs first as its own kernel (``tree_conv.py``).
+
+Ring mode (``rings=``, no snapshots) stores node ``t``'s raw inputs at ring position ``t`` of
+the slot; a node whose parent is not the node before it refolds the parent's path from the
+committed tile and the inputs, so its outputs equal snapshot mode's bit for bit, and
+``commit_tree_ring`` (``tree_commit.py``) folds the accepted path into the slot.
 """
 from __future__ import annotations
 
