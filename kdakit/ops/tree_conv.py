@@ -3,7 +3,7 @@
 Node ``t``'s window is its parent's window after the parent, shifted by one with the
 parent's input appended: the last ``W-1`` inputs on the path from the root to the parent,
 preceded by the committed window where the path is shorter. The kernel gathers each
-node's window straight from its ancestors' inputs (``W-1`` parent look-ups a node), so it
+node's window straight from its ancestors' inputs (``W-1`` parent look-ups a node, in registers), so it
 needs no window written by another node, and rounds exactly like the chain prologue
 (``verify_conv.py``) and the unfused conv (``triton_math.conv_apply``).
 """
@@ -19,18 +19,27 @@ from .triton_math import conv_apply, shift_window
 
 
 @triton.jit
-def tree_parent(parents_n, node):
-    """The effective parent of ``node`` (a runtime int64 scalar; -1 for the committed state):
-    -1 for node 0 and below, for ``p = -1`` and for an invalid ``p`` (``p >= node``, ``p < -1``)."""
-    has = node > 0
-    p = tl.load(parents_n + tl.maximum(node, 0), mask=has, other=-1).to(tl.int64)
-    return tl.where(has & (p >= -1) & (p < node), p, -1)
+def load_tree_parents(parents_n, T: tl.constexpr, BLOCK_T: tl.constexpr):
+    """A request's effective parents as a [BLOCK_T] int64 vector, loaded once (the ancestor
+    walks then run in registers, not as chains of dependent loads): -1 (the committed state)
+    for node 0, for ``p = -1``, for an invalid ``p`` (``p >= t``, ``p < -1``) and past T."""
+    nodes = tl.arange(0, BLOCK_T)
+    p = tl.load(parents_n + nodes, mask=nodes < T, other=-1).to(tl.int64)
+    return tl.where((nodes > 0) & (nodes < T) & (p >= -1) & (p < nodes), p, -1)
 
 
 @triton.jit
-def _tree_conv_part(x, window, weight, bias, inter, post, parents_n, s_win_slot, s_win_c, s_win_w, s_inter_row,
+def tree_parent(par, node, BLOCK_T: tl.constexpr):
+    """The effective parent of ``node`` (-1 for node -1) from ``load_tree_parents``' vector."""
+    nodes = tl.arange(0, BLOCK_T)
+    return tl.max(tl.where(nodes == node, par, -1), axis=0)
+
+
+@triton.jit
+def _tree_conv_part(x, window, weight, bias, inter, post, par, s_win_slot, s_win_c, s_win_w, s_inter_row,
                     s_inter_t, slot, row, live, n64, i_c, C: tl.constexpr, T: tl.constexpr, W: tl.constexpr,
-                    BLOCK_C: tl.constexpr, BLOCK_TAPS: tl.constexpr, HAS_BIAS: tl.constexpr):
+                    BLOCK_C: tl.constexpr, BLOCK_TAPS: tl.constexpr, BLOCK_T: tl.constexpr,
+                    HAS_BIAS: tl.constexpr):
     ch = i_c * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = ch < C
     mask_live = ch < tl.where(live, C, 0)  # the scalar folded into the bound (Triton 3.9 masks)
@@ -51,7 +60,7 @@ def _tree_conv_part(x, window, weight, bias, inter, post, parents_n, s_win_slot,
         node = tl.full([], t, tl.int64)
         depth = tl.full([], 0, tl.int64)
         for i in tl.static_range(W - 1):
-            node = tree_parent(parents_n, node)
+            node = tree_parent(par, node, BLOCK_T)
             src = tl.where(taps == W - 2 - i, node, src)
             depth += (node >= 0).to(tl.int64)
         from_node = src >= 0
@@ -74,7 +83,8 @@ def _tree_conv_kernel(
     s_csq_slot, s_csq_c, s_csq_w, s_csk_slot, s_csk_c, s_csk_w, s_csv_slot, s_csv_c, s_csv_w,
     s_icq_row, s_icq_t, s_ick_row, s_ick_t, s_icv_row, s_icv_t, num_slots, num_rows,
     C_QK: tl.constexpr, C_V: tl.constexpr, T: tl.constexpr, W: tl.constexpr,
-    BLOCK_C: tl.constexpr, BLOCK_TAPS: tl.constexpr, HAS_BIAS: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
+    BLOCK_C: tl.constexpr, BLOCK_TAPS: tl.constexpr, BLOCK_T: tl.constexpr, HAS_BIAS: tl.constexpr,
+    LAUNCH_DEPENDENTS: tl.constexpr,
 ):
     # One program: BLOCK_C channels of q, k or v (program_id 2) of one request, every node.
     # A padding row (slot or scratch row outside its buffer) reads no window and writes
@@ -88,16 +98,16 @@ def _tree_conv_kernel(
     slot = tl.where(live, slot, 0)  # no address outside the buffers is even formed
     row = tl.where(live, row, 0)
     n64 = i_n.to(tl.int64)
-    parents_n = parents + n64 * T
+    par = load_tree_parents(parents + n64 * T, T, BLOCK_T)
     if part == 0:
-        _tree_conv_part(x_q, cs_q, w_q, bias_q, ic_q, post_q, parents_n, s_csq_slot, s_csq_c, s_csq_w, s_icq_row,
-                        s_icq_t, slot, row, live, n64, i_c, C_QK, T, W, BLOCK_C, BLOCK_TAPS, HAS_BIAS)
+        _tree_conv_part(x_q, cs_q, w_q, bias_q, ic_q, post_q, par, s_csq_slot, s_csq_c, s_csq_w, s_icq_row,
+                        s_icq_t, slot, row, live, n64, i_c, C_QK, T, W, BLOCK_C, BLOCK_TAPS, BLOCK_T, HAS_BIAS)
     elif part == 1:
-        _tree_conv_part(x_k, cs_k, w_k, bias_k, ic_k, post_k, parents_n, s_csk_slot, s_csk_c, s_csk_w, s_ick_row,
-                        s_ick_t, slot, row, live, n64, i_c, C_QK, T, W, BLOCK_C, BLOCK_TAPS, HAS_BIAS)
+        _tree_conv_part(x_k, cs_k, w_k, bias_k, ic_k, post_k, par, s_csk_slot, s_csk_c, s_csk_w, s_ick_row,
+                        s_ick_t, slot, row, live, n64, i_c, C_QK, T, W, BLOCK_C, BLOCK_TAPS, BLOCK_T, HAS_BIAS)
     else:
-        _tree_conv_part(x_v, cs_v, w_v, bias_v, ic_v, post_v, parents_n, s_csv_slot, s_csv_c, s_csv_w, s_icv_row,
-                        s_icv_t, slot, row, live, n64, i_c, C_V, T, W, BLOCK_C, BLOCK_TAPS, HAS_BIAS)
+        _tree_conv_part(x_v, cs_v, w_v, bias_v, ic_v, post_v, par, s_csv_slot, s_csv_c, s_csv_w, s_icv_row,
+                        s_icv_t, slot, row, live, n64, i_c, C_V, T, W, BLOCK_C, BLOCK_TAPS, BLOCK_T, HAS_BIAS)
 
 
 _tree_conv = CachedKernel(_tree_conv_kernel)
@@ -123,7 +133,7 @@ def tree_conv(q, k, v, conv_weights, conv_bias, conv_states, intermediate_conv, 
          parents, *(cs.stride(d) for cs in conv_states for d in (0, 1, 2)),
          *(ic.stride(d) for ic in intermediate_conv for d in (0, 1)), conv_states[0].shape[0], int(num_rows)),
         dict(C_QK=H * K, C_V=HV * V, T=T, W=W, BLOCK_C=BLOCK_C, BLOCK_TAPS=triton.next_power_of_2(W - 1),
-             HAS_BIAS=conv_bias is not None, LAUNCH_DEPENDENTS=bool(launch_dependents)),
+             BLOCK_T=triton.next_power_of_2(T), HAS_BIAS=conv_bias is not None, LAUNCH_DEPENDENTS=bool(launch_dependents)),
         num_warps=NUM_WARPS, num_stages=1)
     return post
 
@@ -145,6 +155,6 @@ def tree_conv_channels(x, conv_state, weight, bias, intermediate, slot_indices, 
          slot_indices, scratch_indices, parents, *strides * 3,
          *((intermediate.stride(0), intermediate.stride(1)) * 3), conv_state.shape[0], int(num_rows)),
         dict(C_QK=C, C_V=C, T=T, W=W, BLOCK_C=BLOCK_C, BLOCK_TAPS=triton.next_power_of_2(W - 1),
-             HAS_BIAS=bias is not None, LAUNCH_DEPENDENTS=False),
+             BLOCK_T=triton.next_power_of_2(T), HAS_BIAS=bias is not None, LAUNCH_DEPENDENTS=False),
         num_warps=NUM_WARPS, num_stages=1)
     return post

@@ -34,29 +34,29 @@ from ..backends import register, select
 from .gated_rmsnorm import gated_rmsnorm_after
 from .launch import CachedKernel, pdl_available
 from .mtp_verify import _load_step, check_mtp_verify, recurrence_tile
-from .tree_conv import tree_conv, tree_parent
+from .tree_conv import load_tree_parents, tree_conv, tree_parent
 from .triton_math import delta_rule_update, l2_normalize
 
 
 @triton.jit
-def _refold_path(S, s_ptrs, mask_s, parents_n, p, x_q, x_k, x_v, a, b, n64, i_hv, ch_qk, ch_v, offs_k, mask_k,
+def _refold_path(S, s_ptrs, mask_s, par, p, x_q, x_k, x_v, a, b, n64, i_hv, ch_qk, ch_v, offs_k, mask_k,
                  mask_v, bias, A_log_h, lower_bound, T: tl.constexpr, H: tl.constexpr, HV: tl.constexpr,
-                 K: tl.constexpr, V: tl.constexpr, SAFE_GATE: tl.constexpr):
+                 K: tl.constexpr, V: tl.constexpr, SAFE_GATE: tl.constexpr, BLOCK_T: tl.constexpr):
     """Node p's post-state tile (the committed tile for p = -1): the committed tile with the
-    nodes of p's path folded in, root first. Parent look-ups are scalar loads: node i of the
-    path (depth i) is p's ancestor depth(p) - 1 - i steps up."""
+    nodes of p's path folded in, root first. Parent look-ups run in registers
+    (``load_tree_parents``): node i of the path (depth i) is p's ancestor depth(p) - 1 - i steps up."""
     depth = 0
     node = p
     while node >= 0:
         depth += 1
-        node = tree_parent(parents_n, node)
+        node = tree_parent(par, node, BLOCK_T)
     S = tl.load(s_ptrs, mask=mask_s, other=0.0).to(tl.float32)
     i = 0
     while i < depth:
         node = p
         j = 0
         while j < depth - 1 - i:
-            node = tree_parent(parents_n, node)
+            node = tree_parent(par, node, BLOCK_T)
             j += 1
         _, k_i, v_i, g_i, beta_i = _load_step(x_q, x_k, x_v, a, b, node, n64, i_hv, ch_qk, ch_v, offs_k, mask_k,
                                               mask_v, bias, A_log_h, lower_bound, T, H, HV, K, V, SAFE_GATE)
@@ -72,7 +72,8 @@ def _tree_verify_kernel(
     stride_state_slot, s_snap_row, s_snap_t, s_rk_slot, s_rv_slot, s_rg_slot, s_rb_slot, ring_len,
     num_slots, num_rows, scale, lower_bound,
     T: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, SAFE_GATE: tl.constexpr, RING: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_T: tl.constexpr, SAFE_GATE: tl.constexpr,
+    RING: tl.constexpr,
     WAIT_FOR_TOKENS: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
 ):
     # One program: BLOCK_V state rows of one (request, value head), through the T nodes.
@@ -113,7 +114,7 @@ def _tree_verify_kernel(
     ch_v = i_hv * V + offs_v
     bias = tl.load(dt_bias + i_hv * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
     A_log_h = tl.load(A_log + i_hv).to(tl.float32)
-    parents_n = parents + n64 * T
+    par = load_tree_parents(parents + n64 * T, T, BLOCK_T)  # once: every look-up after it in registers
     if WAIT_FOR_TOKENS:
         gdc_wait()
 
@@ -125,13 +126,12 @@ def _tree_verify_kernel(
             nxt = _load_step(x_q, x_k, x_v, a, b, t + 1, n64, i_hv, ch_qk, ch_v, offs_k, mask_k, mask_v, bias,
                              A_log_h, lower_bound, T, H, HV, K, V, SAFE_GATE)
         if t > 0:
-            p = tl.load(parents_n + t).to(tl.int64)
-            p = tl.where((p >= -1) & (p < t), p, -1)  # an invalid parent starts from the committed state
+            p = tree_parent(par, t, BLOCK_T)  # an invalid parent starts from the committed state
             if p != t - 1:
                 if RING:
-                    S = _refold_path(S, s_ptrs, mask_s, parents_n, p, x_q, x_k, x_v, a, b, n64, i_hv, ch_qk,
+                    S = _refold_path(S, s_ptrs, mask_s, par, p, x_q, x_k, x_v, a, b, n64, i_hv, ch_qk,
                                      ch_v, offs_k, mask_k, mask_v, bias, A_log_h, lower_bound, T, H, HV, K, V,
-                                     SAFE_GATE)
+                                     SAFE_GATE, BLOCK_T)
                 else:
                     # Another thread of this program may have stored the elements this one reloads.
                     tl.debug_barrier()
@@ -198,7 +198,7 @@ def tree_verify_triton(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scrat
            else (0,) * 5), state.shape[0], num_rows, float(scale),
          float(lower_bound) if lower_bound is not None else 0.0),
         dict(T=T, H=H, HV=HV, K=K, V=V, BLOCK_K=triton.next_power_of_2(K), BLOCK_V=block_v,
-             SAFE_GATE=lower_bound is not None, RING=ring, WAIT_FOR_TOKENS=conv and pdl,
+             BLOCK_T=triton.next_power_of_2(T), SAFE_GATE=lower_bound is not None, RING=ring, WAIT_FOR_TOKENS=conv and pdl,
              LAUNCH_DEPENDENTS=norm and pdl),
         num_warps=num_warps, num_stages=1, launch_pdl=conv and pdl)
     if norm:  # padding rows stay zero: their raw output is zero, and so is its norm
