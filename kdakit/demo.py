@@ -141,10 +141,10 @@ class TinyKDAModel(nn.Module):
         return self.lm_head(rms_norm(h, self.norm_weights[-1]))
 
     @torch.no_grad()
-    def commit_node(self, slots, rows, accepted_nodes) -> None:
+    def commit_node(self, slots, rows, accepted_nodes, paths=None, path_lens=None) -> None:
         for layer in self.layers:
             with self.timer("commit") if self.timer else _null():
-                layer.commit_node(slots, rows, accepted_nodes)
+                layer.commit_node(slots, rows, accepted_nodes, paths=paths, path_lens=path_lens)
 
 
 @contextmanager
@@ -263,8 +263,9 @@ def top2_tree(depth: int) -> list[int]:
 
 
 def generate_tree(model: TinyKDAModel, prompts, new_tokens: int, depth: int, reference: list[list[int]],
-                  corrupt: float, seed: int, progress: bool):
-    """Greedy tree speculation (``tree_verify`` + ``commit_snapshots`` of the accepted node);
+                  corrupt: float, seed: int, progress: bool, ring: bool = False):
+    """Greedy tree speculation (``tree_verify`` + ``commit_snapshots`` of the accepted node, or
+    with ``ring`` the ring-mode verify and ``commit_tree_ring`` of the accepted path);
     returns (tokens, stats). At each level the drafter's top-1 is run (a)'s next token,
     corrupted with probability ``corrupt``; its second candidate is then, half the time, the
     right token (so accepted paths end in either branch), else a random one."""
@@ -275,11 +276,11 @@ def generate_tree(model: TinyKDAModel, prompts, new_tokens: int, depth: int, ref
     T = len(parents_list)
     children = [[c for c in range(T) if parents_list[c] == node and c > 0] for node in range(T)]
     parents = torch.tensor([parents_list] * N, dtype=torch.int32, device=dev)
-    pool = model.new_pool(N, "snapshot", T - 1, scratch_rows=N)
+    pool = model.new_pool(N, "ring" if ring else "snapshot", T - 1, scratch_rows=N)
     slots = [pool.alloc() for _ in range(N)]
     out = [[t] for t in model.prefill(prompts, slots).argmax(-1).tolist()]
     rows = torch.arange(N, dtype=torch.int32, device=dev)
-    bar = Progress("speculative (tree)", N * new_tokens, progress)
+    bar = Progress(f"speculative (tree{'-ring' if ring else ''})", N * new_tokens, progress)
     bar.update(N)
     accept_lens_seen, drafted, accepted, rounds = [], 0, 0, 0
     while any(len(o) < new_tokens for o in out):
@@ -300,10 +301,11 @@ def generate_tree(model: TinyKDAModel, prompts, new_tokens: int, depth: int, ref
         tokens = torch.tensor(trees, device=dev)
         slot_t = torch.tensor([s if ok else PAD for s, ok in zip(slots, live)], dtype=torch.int32, device=dev)
         preds = model.verify_tree(tokens, slot_t, rows, parents).argmax(-1).tolist()   # [N, T]
-        accepted_nodes = []
+        accepted_nodes, paths = [], []
         for n in range(N):
             if not live[n]:
                 accepted_nodes.append(-1)
+                paths.append([])
                 continue
             node, path = 0, [0]
             while True:  # follow the child whose token the model predicts after this node
@@ -315,11 +317,14 @@ def generate_tree(model: TinyKDAModel, prompts, new_tokens: int, depth: int, ref
             emitted = [preds[n][i] for i in path][:new_tokens - len(out[n])]
             out[n].extend(emitted)
             accepted_nodes.append(node)
+            paths.append(path)
             accept_lens_seen.append(len(path))
             drafted += depth
             accepted += len(path) - 1
             bar.update(len(emitted))
-        model.commit_node(slot_t, rows, torch.tensor(accepted_nodes, dtype=torch.int32, device=dev))
+        path_t = torch.tensor([p + [-1] * (T - len(p)) for p in paths], dtype=torch.int32, device=dev)
+        lens_t = torch.tensor([len(p) for p in paths], dtype=torch.int32, device=dev)
+        model.commit_node(slot_t, rows, torch.tensor(accepted_nodes, dtype=torch.int32, device=dev), path_t, lens_t)
         rounds += 1
     bar.close(f"{rounds} rounds")
     hist = [accept_lens_seen.count(i) for i in range(1, depth + 2)]
@@ -346,9 +351,9 @@ def run(args) -> dict:
     plain = generate_plain(model, prompts, args.new_tokens, not args.quiet)
     plain_timer = model.timer
     model.timer = OpTimer(dev)
-    if args.spec == "tree":  # top-2 trees num_spec levels deep
+    if args.spec in ("tree", "tree-ring"):  # top-2 trees num_spec levels deep
         spec_tokens, stats = generate_tree(model, prompts, args.new_tokens, args.num_spec, plain, args.corrupt,
-                                           args.seed, not args.quiet)
+                                           args.seed, not args.quiet, ring=args.spec == "tree-ring")
     else:
         spec_tokens, stats = generate_speculative(model, prompts, args.new_tokens, args.num_spec, args.spec, plain,
                                                   args.corrupt, args.seed, not args.quiet)
@@ -364,8 +369,9 @@ def run(args) -> dict:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON line (match, accept_rate, tokens, ...)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
-    p.add_argument("--spec", choices=("ring", "snapshot", "tree"), default="ring",
-                   help="how verify keeps its steps (tree: top-2 draft trees, --num-spec levels, snapshots)")
+    p.add_argument("--spec", choices=("ring", "snapshot", "tree", "tree-ring"), default="ring",
+                   help="how verify keeps its steps (tree, tree-ring: top-2 draft trees --num-spec levels deep, "
+                        "snapshots or rings)")
     p.add_argument("--num-spec", type=int, default=3, help="drafted tokens per round")
     p.add_argument("--new-tokens", type=int, default=40, help="tokens generated per prompt")
     p.add_argument("--batch", type=int, default=3, help="prompts decoded together")
