@@ -402,3 +402,19 @@ def test_compile_fullgraph_matches_eager():
     assert torch.equal(compiled_bufs["snapshots"], eager_bufs["snapshots"])
     for x, y in zip(compiled_bufs["intermediate_conv"], eager_bufs["intermediate_conv"]):
         assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+def test_16_bit_pool_and_snapshots(pool_dtype):
+    """A 16-bit state pool and 16-bit snapshots (float32 math in registers; a reloaded parent
+    is its rounded snapshot): close to float64 on the same pool, the pool untouched."""
+    p, d = make_problem(91, T=5, conv=False, K=32, V=16, H=2, HV=4)
+    p["state"] = p["state"].to(pool_dtype)
+    before = p["state"].clone()
+    ref = call_tree(p, fresh_buffers(d, snap_dtype=F64), conv=False, lower_bound=-2.0, f64=True)
+    bufs = fresh_buffers(d, snap_dtype=pool_dtype)
+    out = call_tree(p, bufs, conv=False, lower_bound=-2.0, backend="triton")
+    assert_close(out, ref, 2e-2, "out")
+    assert torch.equal(p["state"], before)
+    assert bufs["snapshots"].dtype == pool_dtype and torch.isfinite(bufs["snapshots"][p["scratch_indices"].long(),
+                                                                                      :d["T"]]).all()
