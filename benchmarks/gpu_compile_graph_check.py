@@ -168,6 +168,45 @@ CASES = {
 }
 
 
+T_TREE = 5  # a 5-node tree per request: node 0, two children, a grandchild under each
+
+
+def _tree_case(seed, mode):
+    op, args, kw = _verify_case(seed, "snapshot" if mode == "snapshot" else "ring")
+    g = _gen(seed + 1000)
+    N, T = N_SPEC, T_TREE
+    channels = (H * K, H * K, HV * V)
+    args = (_rnd(g, N, T, H, K, dtype=BF16), _rnd(g, N, T, H, K, dtype=BF16), _rnd(g, N, T, HV, V, dtype=BF16),
+            _rnd(g, N, T, HV, K, dtype=BF16), _rnd(g, N, T, HV, dtype=BF16), *args[5:10],
+            torch.tensor([[-1, 0, 0, 1, 2]] * N, dtype=torch.int32, device=DEV))
+    kw.update(intermediate_conv=tuple(_rnd(g, N, T, c, W - 1, dtype=BF16) for c in channels),
+              out=torch.empty(N, T, HV, V, dtype=BF16, device=DEV))
+    if mode == "snapshot":
+        kw["snapshots"] = _rnd(g, N, T, HV, V, K)
+    else:
+        kw["rings"] = (_rnd(g, SLOTS, H, T, K, dtype=BF16), _rnd(g, SLOTS, HV, T, V, dtype=BF16),
+                       _rnd(g, SLOTS, HV, T, K), _rnd(g, SLOTS, HV, T))
+        kw.update(norm_gate=_rnd(g, N, T, HV, V, dtype=BF16), norm_weight=torch.rand(V, device=DEV, generator=g) + 0.5)
+    return kdakit.tree_verify, args, kw
+
+
+def commit_tree_ring_case(seed):
+    g = _gen(seed)
+    N, L = N_SPEC, T_TREE
+    args = (_rnd(g, SLOTS, HV, V, K, s=0.5), _rnd(g, SLOTS, H, L, K, dtype=BF16), _rnd(g, SLOTS, HV, L, V, dtype=BF16),
+            -torch.rand(SLOTS, HV, L, K, device=DEV, generator=g), torch.rand(SLOTS, HV, L, device=DEV, generator=g),
+            _slots(seed, N), torch.tensor([[0, 1, 3, -1, -1], [0, 2, 4, -1, -1], [0, 2, -1, -1, -1],
+                                           [0, -1, -1, -1, -1]], dtype=torch.int32, device=DEV), _idx(3, 3, 2, 1))
+    return kdakit.commit_tree_ring, args, {}
+
+
+CASES.update({
+    "tree_verify-snapshot": lambda s: _tree_case(s, "snapshot"),
+    "tree_verify-ring": lambda s: _tree_case(s, "ring"),
+    "commit_tree_ring": commit_tree_ring_case,
+})
+
+
 # ----------------------------------------------------------------------------
 # Checks
 # ----------------------------------------------------------------------------

@@ -192,3 +192,34 @@ def main(device: str | None = None) -> int:
     print(f"{len(rows) - len(failed)} of {len(rows)} checks agree with the float64 reference"
           + (f"; {len(failed)} do not" if failed else ""))
     return 1 if failed else 0
+
+
+def check_tree_verify_and_commit(backend, device):
+    """Tree verify (snapshot mode) + the commit of an accepted node against the reference."""
+    c = _Case(device, seed=4)
+    N, T = c.idx.numel(), 5
+    q, k = c.rnd(N, T, c.H, c.K), c.rnd(N, T, c.H, c.K)
+    v, a, b = c.rnd(N, T, c.HV, c.V), c.rnd(N, T, c.HV, c.K), c.rnd(N, T, c.HV)
+    scratch = torch.tensor([3, 0, 1, 2], dtype=torch.int32, device=device)
+    parents = torch.tensor([[-1, 0, 0, 1, 2], [-1, 0, 1, 2, 3], [-1, 0, 1, 1, -1], [-1, 0, 0, 0, 3]],
+                           dtype=torch.int32, device=device)
+    ref_snaps = torch.zeros(N, T, c.HV, c.V, c.K, dtype=torch.float64, device=device)
+    snaps = torch.zeros(N, T, c.HV, c.V, c.K, device=device)
+    ref_out = torch.empty(N, T, c.HV, c.V, dtype=torch.float64, device=device)
+    reference.tree_verify(*map(_f64, (q, k, v, a, b, c.A_log, c.dt_bias)), c.state.double(), c.idx, scratch, parents,
+                          ref_out, snapshots=ref_snaps, compute_dtype=torch.float64)
+    before = c.state.clone()
+    out = kdakit.tree_verify(q, k, v, a, b, c.A_log, c.dt_bias, c.state, c.idx, scratch, parents, snapshots=snaps,
+                             backend=backend)
+    read_only = bool(torch.equal(c.state, before))
+    accepted = torch.tensor([3, 0, 4, 2], dtype=torch.int32, device=device)
+    ref_state = c.state.double()
+    reference.commit_snapshots(ref_state, ref_snaps, c.idx, scratch, accepted)
+    kdakit.commit_snapshots(c.state, snaps, c.idx, scratch, accepted, backend=backend)
+    u = c.unused()
+    return {"out_err": _rel(out, ref_out), "pool_err": _rel(c.state, ref_state),
+            "untouched": read_only and bool(torch.equal(c.state[u], before[u]))}
+
+
+CHECKS["tree_verify+commit_snapshots"] = check_tree_verify_and_commit
+REGISTRY_NAME["tree_verify+commit_snapshots"] = "tree_verify"

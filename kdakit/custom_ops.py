@@ -197,3 +197,41 @@ def recurrent_forward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, 
 OPS = {"packed_decode": packed_decode, "fused_decode": fused_decode, "causal_conv1d_update": causal_conv1d_update,
        "causal_conv1d_varlen": causal_conv1d_varlen, "gated_rmsnorm": gated_rmsnorm, "mtp_verify": mtp_verify, "commit_snapshots": commit_snapshots,
        "commit_ring": commit_ring, "recurrent_forward": recurrent_forward}
+
+
+# ----------------------------------------------------------------------------
+# Tree verify (kdakit/ops/tree_verify.py)
+# ----------------------------------------------------------------------------
+@_op("tree_verify", ("out", "ic_q", "ic_k", "ic_v", "snapshots", "ring_k", "ring_v", "ring_g", "ring_beta"))
+def tree_verify(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Tensor, dt_bias: Tensor,
+                state: Tensor, slot_indices: Tensor, scratch_indices: Tensor, parents: Tensor, out: Tensor,
+                w_q: Optional[Tensor], w_k: Optional[Tensor], w_v: Optional[Tensor],
+                cs_q: Optional[Tensor], cs_k: Optional[Tensor], cs_v: Optional[Tensor],
+                ic_q: Optional[Tensor], ic_k: Optional[Tensor], ic_v: Optional[Tensor],
+                bias_q: Optional[Tensor], bias_k: Optional[Tensor], bias_v: Optional[Tensor],
+                snapshots: Optional[Tensor], ring_k: Optional[Tensor], ring_v: Optional[Tensor],
+                ring_g: Optional[Tensor], ring_beta: Optional[Tensor], scale: float, lower_bound: Optional[float],
+                norm_gate: Optional[Tensor], norm_weight: Optional[Tensor], norm_eps: float,
+                backend: Optional[str]) -> None:
+    """The tensors as ``mtp_verify``'s (``mtp_verify_tensors``), then the same scalars."""
+    _, impl = select("tree_verify", q.device, backend)
+    impl(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, parents, out,
+         conv_weights=_opt(w_q, w_k, w_v), conv_states=_opt(cs_q, cs_k, cs_v),
+         intermediate_conv=_opt(ic_q, ic_k, ic_v), conv_bias=_opt(bias_q, bias_k, bias_v),
+         snapshots=snapshots, rings=_opt(ring_k, ring_v, ring_g, ring_beta), scale=scale, lower_bound=lower_bound,
+         norm_gate=norm_gate, norm_weight=norm_weight, norm_eps=norm_eps)
+
+
+OPS["tree_verify"] = tree_verify
+
+
+@_op("commit_tree_ring", ("state",))
+def commit_tree_ring(state: Tensor, ring_k: Tensor, ring_v: Tensor, ring_g: Tensor, ring_beta: Tensor,
+                     slot_indices: Tensor, paths: Tensor, accept_lens: Tensor, use_qk_l2norm: bool,
+                     null_block_id: int, backend: Optional[str]) -> None:
+    _, impl = select("commit_tree_ring", state.device, backend)
+    impl(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, paths, accept_lens, use_qk_l2norm=use_qk_l2norm,
+         null_block_id=null_block_id)
+
+
+OPS["commit_tree_ring"] = commit_tree_ring

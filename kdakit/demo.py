@@ -130,6 +130,23 @@ class TinyKDAModel(nn.Module):
                 layer.commit(slots, rows, accept_lens)
 
 
+    @torch.no_grad()
+    def verify_tree(self, tokens: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor,
+                    parents: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for i, layer in enumerate(self.layers):
+            x = rms_norm(h, self.norm_weights[i])
+            with self.timer("verify") if self.timer else _null():
+                h = h + layer.verify_tree(x, slots, rows, parents)
+        return self.lm_head(rms_norm(h, self.norm_weights[-1]))
+
+    @torch.no_grad()
+    def commit_node(self, slots, rows, accepted_nodes, paths=None, path_lens=None) -> None:
+        for layer in self.layers:
+            with self.timer("commit") if self.timer else _null():
+                layer.commit_node(slots, rows, accepted_nodes, paths=paths, path_lens=path_lens)
+
+
 @contextmanager
 def _null():
     yield
@@ -234,6 +251,86 @@ def generate_speculative(model: TinyKDAModel, prompts, new_tokens: int, num_spec
     return out, {"rounds": rounds, "accept_rate": accepted / max(drafted, 1), "accept_len_hist": hist}
 
 
+def top2_tree(depth: int) -> list[int]:
+    """The parents of a top-2 draft tree ``depth`` levels deep: two candidates at every level,
+    the first of them (the drafter's top-1) expanded. Node 0 is the last token; level ``l``
+    holds nodes ``2l - 1`` (expanded) and ``2l``."""
+    parents = [-1]
+    for level in range(1, depth + 1):
+        expanded = 0 if level == 1 else 2 * level - 3
+        parents += [expanded, expanded]
+    return parents
+
+
+def generate_tree(model: TinyKDAModel, prompts, new_tokens: int, depth: int, reference: list[list[int]],
+                  corrupt: float, seed: int, progress: bool, ring: bool = False):
+    """Greedy tree speculation (``tree_verify`` + ``commit_snapshots`` of the accepted node, or
+    with ``ring`` the ring-mode verify and ``commit_tree_ring`` of the accepted path);
+    returns (tokens, stats). At each level the drafter's top-1 is run (a)'s next token,
+    corrupted with probability ``corrupt``; its second candidate is then, half the time, the
+    right token (so accepted paths end in either branch), else a random one."""
+    N = len(prompts)
+    dev = model.lm_head.weight.device
+    rng = torch.Generator().manual_seed(seed + 1)
+    parents_list = top2_tree(depth)
+    T = len(parents_list)
+    children = [[c for c in range(T) if parents_list[c] == node and c > 0] for node in range(T)]
+    parents = torch.tensor([parents_list] * N, dtype=torch.int32, device=dev)
+    pool = model.new_pool(N, "ring" if ring else "snapshot", T - 1, scratch_rows=N)
+    slots = [pool.alloc() for _ in range(N)]
+    out = [[t] for t in model.prefill(prompts, slots).argmax(-1).tolist()]
+    rows = torch.arange(N, dtype=torch.int32, device=dev)
+    bar = Progress(f"speculative (tree{'-ring' if ring else ''})", N * new_tokens, progress)
+    bar.update(N)
+    accept_lens_seen, drafted, accepted, rounds = [], 0, 0, 0
+    while any(len(o) < new_tokens for o in out):
+        live = [len(o) < new_tokens for o in out]
+        trees = []
+        for n, o in enumerate(out):
+            ref = reference[n][len(o):len(o) + depth]
+            ref = ref + torch.randint(model.vocab, (depth - len(ref),), generator=rng).tolist()
+            nodes = [o[-1]]
+            for level in range(depth):
+                top1 = ref[level]
+                if float(torch.rand(1, generator=rng)) < corrupt:
+                    top1 = int(torch.randint(model.vocab, (1,), generator=rng))
+                second = ref[level] if (top1 != ref[level] and float(torch.rand(1, generator=rng)) < 0.5) \
+                    else int(torch.randint(model.vocab, (1,), generator=rng))
+                nodes += [top1, second]
+            trees.append(nodes)
+        tokens = torch.tensor(trees, device=dev)
+        slot_t = torch.tensor([s if ok else PAD for s, ok in zip(slots, live)], dtype=torch.int32, device=dev)
+        preds = model.verify_tree(tokens, slot_t, rows, parents).argmax(-1).tolist()   # [N, T]
+        accepted_nodes, paths = [], []
+        for n in range(N):
+            if not live[n]:
+                accepted_nodes.append(-1)
+                paths.append([])
+                continue
+            node, path = 0, [0]
+            while True:  # follow the child whose token the model predicts after this node
+                nxt = [c for c in children[node] if trees[n][c] == preds[n][node]]
+                if not nxt:
+                    break
+                node = nxt[0]
+                path.append(node)
+            emitted = [preds[n][i] for i in path][:new_tokens - len(out[n])]
+            out[n].extend(emitted)
+            accepted_nodes.append(node)
+            paths.append(path)
+            accept_lens_seen.append(len(path))
+            drafted += depth
+            accepted += len(path) - 1
+            bar.update(len(emitted))
+        path_t = torch.tensor([p + [-1] * (T - len(p)) for p in paths], dtype=torch.int32, device=dev)
+        lens_t = torch.tensor([len(p) for p in paths], dtype=torch.int32, device=dev)
+        model.commit_node(slot_t, rows, torch.tensor(accepted_nodes, dtype=torch.int32, device=dev), path_t, lens_t)
+        rounds += 1
+    bar.close(f"{rounds} rounds")
+    hist = [accept_lens_seen.count(i) for i in range(1, depth + 2)]
+    return out, {"rounds": rounds, "accept_rate": accepted / max(drafted, 1), "accept_len_hist": hist}
+
+
 # ----------------------------------------------------------------------------
 def run(args) -> dict:
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -254,8 +351,12 @@ def run(args) -> dict:
     plain = generate_plain(model, prompts, args.new_tokens, not args.quiet)
     plain_timer = model.timer
     model.timer = OpTimer(dev)
-    spec_tokens, stats = generate_speculative(model, prompts, args.new_tokens, args.num_spec, args.spec, plain,
-                                              args.corrupt, args.seed, not args.quiet)
+    if args.spec in ("tree", "tree-ring"):  # top-2 trees num_spec levels deep
+        spec_tokens, stats = generate_tree(model, prompts, args.new_tokens, args.num_spec, plain, args.corrupt,
+                                           args.seed, not args.quiet, ring=args.spec == "tree-ring")
+    else:
+        spec_tokens, stats = generate_speculative(model, prompts, args.new_tokens, args.num_spec, args.spec, plain,
+                                                  args.corrupt, args.seed, not args.quiet)
     times = {**plain_timer.summary(), **model.timer.summary()}
     match = spec_tokens == plain
     return {"match": match, "accept_rate": round(stats["accept_rate"], 4),
@@ -268,7 +369,9 @@ def run(args) -> dict:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON line (match, accept_rate, tokens, ...)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
-    p.add_argument("--spec", choices=("ring", "snapshot"), default="ring", help="how verify keeps its steps")
+    p.add_argument("--spec", choices=("ring", "snapshot", "tree", "tree-ring"), default="ring",
+                   help="how verify keeps its steps (tree, tree-ring: top-2 draft trees --num-spec levels deep, "
+                        "snapshots or rings)")
     p.add_argument("--num-spec", type=int, default=3, help="drafted tokens per round")
     p.add_argument("--new-tokens", type=int, default=40, help="tokens generated per prompt")
     p.add_argument("--batch", type=int, default=3, help="prompts decoded together")

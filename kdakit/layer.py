@@ -29,6 +29,8 @@ from .ops.fused_decode import fused_decode
 from .ops.gated_rmsnorm import gated_rmsnorm
 from .ops.mtp_verify import mtp_verify
 from .ops.recurrent_forward import recurrent_forward
+from .ops.tree_commit import commit_tree_ring
+from .ops.tree_verify import tree_verify
 from .state_pool import LayerCache, StatePool
 
 
@@ -208,6 +210,46 @@ class KDALayer(nn.Module):
         else:
             commit_snapshots(c.state, c.snapshots, slot_t, rows_t, steps, conv_states=[c.conv],
                              intermediate_conv=[c.intermediate_conv])
+
+    def verify_tree(self, x: torch.Tensor, slots, scratch_rows, parents, *,
+                    cache: LayerCache | None = None) -> torch.Tensor:
+        """``x [N, T, hidden]``: each request's tree of ``T`` nodes (node 0 its last token),
+        ``parents [N, T]`` (``tree_verify``). Needs a speculative pool with ``1 + num_spec >= T``;
+        writes each node's snapshot (or ring entries) and windows to scratch row
+        ``scratch_rows[n]``. Returns ``[N, T, hidden]``; ``commit_node`` keeps an accepted node."""
+        c = self._cache(cache)
+        if c.intermediate_conv is None:
+            raise ValueError("tree verify needs a pool with speculative buffers (StatePool(spec='snapshot'|'ring')).")
+        N, T, _ = x.shape
+        H, HV, K, V = self.H, self.HV, self.K, self.V
+        slot_t = slots if torch.is_tensor(slots) else self._slots(slots, N)
+        rows_t = scratch_rows if torch.is_tensor(scratch_rows) else self._slots(scratch_rows, N)
+        xf = x.reshape(N * T, -1)
+        a, b, gate = self._gate_inputs(xf)
+        o = tree_verify(self.q_proj(xf).view(N, T, H, K), self.k_proj(xf).view(N, T, H, K),
+                        self.v_proj(xf).view(N, T, HV, V), a.view(N, T, HV, K), b.view(N, T, HV), self.A_log,
+                        self.dt_bias, c.state, slot_t, rows_t, parents, conv_weights=self.conv_weights_qkv,
+                        conv_states=c.conv_qkv, intermediate_conv=c.intermediate_conv_qkv,
+                        snapshots=c.snapshots if c.rings is None else None, rings=c.rings, lower_bound=self.lower_bound, norm_gate=gate.view(N, T, HV, V),
+                        norm_weight=self.o_norm_weight, norm_eps=self.norm_eps)
+        return self.o_proj(o.view(N, T, HV * V))
+
+    def commit_node(self, slots, scratch_rows, accepted_nodes, *, paths=None, path_lens=None,
+                    cache: LayerCache | None = None) -> None:
+        """Keep node ``accepted_nodes[n]`` of the last tree verify (the end of the accepted
+        path; -1 keeps nothing): its snapshot and windows into the slot. A ring pool folds the
+        path instead: ``paths [N, P]`` (node ids, node 0 first) and ``path_lens [N]``."""
+        c = self._cache(cache)
+        dev = self.conv_weight.device
+        as_t = (lambda t: t if torch.is_tensor(t) else torch.as_tensor(t, dtype=torch.int32, device=dev))
+        snapshots = c.snapshots
+        if c.rings is not None:
+            if paths is None or path_lens is None:
+                raise ValueError("a ring pool commits a tree's accepted path: pass `paths` and `path_lens`.")
+            commit_tree_ring(c.state, *c.rings, as_t(slots), as_t(paths), as_t(path_lens))
+            snapshots = None  # the windows still come from the accepted node
+        commit_snapshots(c.state, snapshots, as_t(slots), as_t(scratch_rows), as_t(accepted_nodes),
+                         conv_states=[c.conv], intermediate_conv=[c.intermediate_conv])
 
     # ------------------------------------------------------------------ tensor parallelism
     @classmethod

@@ -382,3 +382,112 @@ def gated_rmsnorm_op(x, gate, weight, out, *, eps=1e-6, compute_dtype=torch.floa
     cd = compute_dtype
     out.copy_(gated_rmsnorm(x.to(cd), gate.to(cd), weight.to(cd), eps).to(out.dtype))
     return out
+
+
+# ----------------------------------------------------------------------------
+# Tree verify (speculative trees, snapshot mode)
+# ----------------------------------------------------------------------------
+def tree_parent(parents_row, t: int) -> int:
+    """Node ``t``'s effective parent: -1 (the committed state and window) for node 0, for
+    ``p = -1`` and for an invalid ``p`` (``p >= t`` or ``p < -1``); ``p`` otherwise."""
+    if t == 0:
+        return -1
+    p = int(parents_row[t])
+    return p if -1 <= p < t else -1
+
+
+def tree_conv(x, window, weight, parents_row, bias=None, activation_dtype=None):
+    """The short conv of one request's tree of ``T`` nodes. ``x [T, C]`` pre-conv inputs,
+    ``window [C, W-1]`` the committed window, ``parents_row [T]``. Node ``t``'s window is
+    its parent's window after the parent (the committed one for a root) shifted by one with
+    ``x[t]`` appended. Returns ``(y [T, C], windows [T, C, W-1])``: the post-conv values and
+    the window after each node."""
+    ys, windows = [], []
+    for t in range(x.shape[0]):
+        p = tree_parent(parents_row, t)
+        y, win = conv_step(x[t], window if p < 0 else windows[p], weight, bias, activation_dtype)
+        ys.append(y)
+        windows.append(win)
+    return torch.stack(ys), torch.stack(windows)
+
+
+def tree_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, parents, out, *,
+                conv_weights=None, conv_states=None, intermediate_conv=None, conv_bias=None, snapshots=None,
+                rings=None, scale=None, lower_bound=None, norm_gate=None, norm_weight=None, norm_eps=1e-6,
+                compute_dtype=torch.float32):
+    """Verify a tree of ``T`` nodes per request (layouts of ``mtp_verify``; ``parents [N, T]``).
+
+    Node 0 starts from ``state[slot]`` (and the committed conv windows), node ``t > 0`` from
+    the post-state (and windows) of node ``p = tree_parent(parents[n], t)``, or from the
+    committed ones when ``p = -1``. Each node applies its own token with the one-token math;
+    its post-state goes to ``snapshots[row, t]``, its windows to ``intermediate_conv[i][row, t]``.
+    With ``rings = (ring_k, ring_v, ring_g, ring_beta)`` (ring mode, no snapshots) node ``t``'s
+    post-conv k (before its L2 norm), v, log-decay g and β go to ring position ``t`` of the
+    slot instead. A request whose slot or scratch row falls outside its buffer is a padding
+    row: zero output, nothing read or written. The persistent pools are only read.
+    """
+    cd = compute_dtype
+    N, T, H, K = q.shape
+    HV, V = v.shape[-2:]
+    scale = _default_scale(scale, K)
+    act = q.dtype
+    rows_in = [t.shape[0] for t in ([snapshots] if snapshots is not None else []) + list(intermediate_conv or ())]
+    num_rows = min(rows_in) if rows_in else None
+    out.zero_()
+    A, dt = A_log.to(cd), dt_bias.to(cd).view(HV, K)
+    for n in range(N):
+        slot, row = int(slot_indices[n]), int(scratch_indices[n])
+        if not 0 <= slot < state.shape[0] or (num_rows is not None and not 0 <= row < num_rows):
+            continue  # a padding row
+        x = [q[n].to(cd).flatten(1), k[n].to(cd).flatten(1), v[n].to(cd).flatten(1)]   # [T, C] each
+        if conv_weights is not None:
+            for i in range(3):
+                bias = None if conv_bias is None else conv_bias[i].to(cd)
+                x[i], windows = tree_conv(x[i], conv_states[i][slot].to(cd), conv_weights[i].to(cd), parents[n],
+                                          bias, activation_dtype=act)
+                intermediate_conv[i][row, :T] = windows.to(intermediate_conv[i].dtype)
+        post = []
+        for t in range(T):
+            p = tree_parent(parents[n], t)
+            S = state[slot].to(cd) if p < 0 else post[p]
+            qh, kh = prepare_qk(x[0][t].view(H, K), x[1][t].view(H, K), HV, scale, True)
+            g_t = kda_gate(a[n, t].to(cd), A, dt, lower_bound)
+            o, S = delta_rule_step(S, qh, kh, x[2][t].view(HV, V), g_t, kda_beta(b[n, t].to(cd)))
+            if norm_weight is not None:
+                o = gated_rmsnorm(o, norm_gate[n, t].to(cd).view(HV, V), norm_weight.to(cd), norm_eps)
+            out[n, t] = o.to(out.dtype)
+            post.append(S)
+            if rings is not None:
+                ring_k, ring_v, ring_g, ring_beta = rings
+                ring_k[slot, :, t] = x[1][t].view(H, K).to(ring_k.dtype)
+                ring_v[slot, :, t] = x[2][t].view(HV, V).to(ring_v.dtype)
+                ring_g[slot, :, t] = g_t.to(ring_g.dtype)
+                ring_beta[slot, :, t] = kda_beta(b[n, t].to(cd)).to(ring_beta.dtype)
+            elif snapshots is not None:
+                snapshots[row, t] = S.to(snapshots.dtype)
+    return out
+
+
+def commit_tree_ring(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, paths, accept_lens, *,
+                     use_qk_l2norm=True, null_block_id=-1, compute_dtype=torch.float32):
+    """Fold the accepted path of a ring-mode tree verify into ``state[slot]`` in place: the
+    ring entries of nodes ``paths[n, 0 .. accept_lens[n] - 1]`` (node ids, root first), in
+    order. Rows with slot ``<= null_block_id`` (or outside the pool), ``accept_lens <= 0``, or
+    a path node outside the rings are skipped."""
+    cd = compute_dtype
+    HV, L = ring_g.shape[1], ring_g.shape[2]
+    for n in range(slot_indices.shape[0]):
+        slot, steps = int(slot_indices[n]), min(int(accept_lens[n]), paths.shape[1])
+        nodes = [int(x) for x in paths[n, :max(steps, 0)]]
+        if slot <= null_block_id or not 0 <= slot < state.shape[0] or steps <= 0 or \
+                not all(0 <= x < L for x in nodes):
+            continue
+        S = state[slot].to(cd)
+        for t in nodes:
+            k_t = ring_k[slot, :, t].to(cd)
+            if use_qk_l2norm:
+                k_t = l2_normalize(k_t)
+            k_t = expand_to_value_heads(k_t, HV)
+            _, S = delta_rule_step(S, torch.zeros_like(k_t), k_t, ring_v[slot, :, t].to(cd),
+                                   ring_g[slot, :, t].to(cd), ring_beta[slot, :, t].to(cd))
+        state[slot] = S.to(state.dtype)

@@ -107,5 +107,26 @@ fused_recurrent_kda(rnd(1, 5, H, K), rnd(1, 5, H, K), rnd(1, 5, HV, V), rnd(1, 5
                     rnd(1, 5, HV, dtype=torch.float32), initial_state=state[:2].transpose(-1, -2).contiguous(),
                     cu_seqlens=cu.long(), output_final_state=True)
 assert COMPILED_FOR_TARGET[-2:] == ["_recurrent_forward_kernel"] * 2, COMPILED_FOR_TARGET[-3:]
+# Tree verify at real shapes (K = V = 128, HV = 32): conv prologue, recurrence, output norm.
+HT, TT = 32, 4
+tq, tk, tv = rnd(N, TT, HT, K), rnd(N, TT, HT, K), rnd(N, TT, HT, V)
+ta, tb = rnd(N, TT, HT, K), rnd(N, TT, HT)
+t_state = torch.zeros(slots, HT, V, K)
+t_chans = (HT * K, HT * K, HT * V)
+t_conv = dict(conv_weights=tuple(torch.randn(c, W, generator=g) for c in t_chans),
+              conv_states=tuple(rnd(slots, c, W - 1) for c in t_chans),
+              intermediate_conv=tuple(rnd(2, TT, c, W - 1) for c in t_chans))
+t_parents = torch.tensor([[-1, 0, 0, 1], [-1, 0, 1, 2]], dtype=torch.int32)
+t_snaps = torch.zeros(2, TT, HT, V, K)
+kdakit.tree_verify(tq, tk, tv, ta, tb, torch.rand(HT), torch.randn(HT * K), t_state, idx, scratch, t_parents,
+                   snapshots=t_snaps, lower_bound=-5.0, norm_gate=rnd(N, TT, HT, V), norm_weight=torch.rand(V),
+                   backend="triton", **t_conv)
+kdakit.tree_verify(tq, tk, tv, ta, tb, torch.rand(HT), torch.randn(HT * K), t_state.to(bf), idx, scratch,
+                   t_parents.long(), snapshots=t_snaps, backend="triton")
+t_rings = (rnd(slots, HT, TT, K), rnd(slots, HT, TT, V), torch.zeros(slots, HT, TT, K), torch.zeros(slots, HT, TT))
+kdakit.tree_verify(tq, tk, tv, ta, tb, torch.rand(HT), torch.randn(HT * K), t_state, idx, scratch, t_parents,
+                   rings=t_rings, backend="triton", **t_conv)
+kdakit.commit_tree_ring(t_state, *t_rings, idx, torch.tensor([[0, 1, 3, -1], [0, 1, 2, 3]], dtype=torch.int32),
+                        torch.tensor([3, 4], dtype=torch.int32), backend="triton")
 print(" ".join(COMPILED_FOR_TARGET))
 sys.exit(0)

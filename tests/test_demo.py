@@ -34,3 +34,23 @@ def test_bench_without_gpu_exits_2(capsys):
         pytest.skip("a GPU is present")
     assert main(["bench"]) == 2
     assert "no CUDA GPU" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("spec", ["tree", "tree-ring"])
+def test_demo_tree_matches(capsys, monkeypatch, spec):
+    """`kdakit demo --spec tree|tree-ring`: top-2 draft trees through tree_verify and the commit
+    of the accepted node (its snapshot, or a ring fold of its path) give plain decoding's
+    tokens; accepted paths end in both branches."""
+    from kdakit import demo
+    seen = []
+    commit_node = demo.TinyKDAModel.commit_node
+    monkeypatch.setattr(demo.TinyKDAModel, "commit_node",
+                        lambda self, slots, rows, nodes, *paths: (seen.extend(nodes.tolist()),
+                                                                  commit_node(self, slots, rows, nodes, *paths))[1])
+    rc = main(["demo", "--json", "--quiet", "--spec", spec])
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == 0 and result["match"] is True and result["spec"] == spec
+    assert len([c for c in result["accept_len_hist"] if c]) > 1, "accept lengths must vary"
+    assert any(n > 0 and n % 2 == 1 for n in seen) and any(n > 0 and n % 2 == 0 for n in seen), \
+        "accepted nodes in the expanded (odd) and the second (even) branches"
+    assert set(result["us_per_layer_call"]) == {"prefill", "decode", "verify", "commit"}

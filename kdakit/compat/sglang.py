@@ -184,3 +184,7 @@ def causal_conv1d_fn(x, weight, bias=None, query_start_loc=None, cache_indices=N
     causal_conv1d_varlen(x.t(), conv_states, weight, query_start_loc, slots, has_initial_state=has_initial_state,
                          bias=bias, activation=activation, out=out.t())
     return out
+
+
+# Tree target verify (EAGLE top-k > 1): kdakit/compat/sglang_tree.py
+from .sglang_tree import causal_conv1d_update, fused_sigmoid_gating_delta_rule_update  # noqa: E402,F401

@@ -1,0 +1,133 @@
+"""Ring commit of an accepted tree path: fold the ring entries of the path's nodes, root
+first, into the slot's state in place.
+
+A ring-mode ``tree_verify`` stores node ``t``'s raw inputs at ring position ``t``; the
+accepted path (node ids from node 0 to the accepted node, as the engine's acceptance walk
+finds them) is replayed with the ring commit's step loader and the verify's tile and device
+functions, so the result equals, bit for bit, the snapshot a snapshot-mode tree verify
+writes for the accepted node. The conv windows are a snapshot commit of the accepted node
+(``commit_snapshots(state, None, ..., accepted_node, conv_states=..., intermediate_conv=...)``).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import contracts, reference
+from ..backends import register, select
+from .commit import _load_ring_step, check_commit_ring
+from .launch import CachedKernel
+from .mtp_verify import recurrence_tile
+from .triton_math import delta_rule_update, l2_normalize
+
+
+@triton.jit
+def _commit_tree_ring_kernel(
+    state, ring_k, ring_v, ring_g, ring_beta, slot_indices, paths, accept_lens,
+    s_state_slot, s_rk_slot, s_rv_slot, s_rg_slot, s_rb_slot, s_path_n, ring_len, path_len, num_slots,
+    null_block_id,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, USE_QK_L2NORM: tl.constexpr,
+):
+    # One program: one recurrence tile (the verify's) of one (request, value head).
+    i_v, i_hv, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_h = i_hv // (HV // H)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_v = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask_k = offs_k < K
+    mask_v = offs_v < V
+    slot = tl.load(slot_indices + i_n).to(tl.int64)
+    steps = tl.load(accept_lens + i_n).to(tl.int64)
+    active = (slot > null_block_id) & (slot >= 0) & (slot < num_slots) & (steps > 0)
+    num = tl.where(active, tl.minimum(steps, path_len), 0)
+    path = paths + i_n.to(tl.int64) * s_path_n
+    j = 0
+    while j < num:  # every node of the path inside the rings, else the request is skipped
+        node = tl.load(path + j).to(tl.int64)
+        active = active & (node >= 0) & (node < ring_len)
+        j += 1
+    num = tl.where(active, num, 0)
+    slot = tl.where(active, slot, 0)
+    mask_s = (offs_v < tl.where(active, V, 0))[:, None] & mask_k[None, :]  # the scalar folded into the bound
+    p_k = ring_k + slot * s_rk_slot + i_h * ring_len * K + offs_k
+    p_v = ring_v + slot * s_rv_slot + i_hv * ring_len * V + offs_v
+    p_g = ring_g + slot * s_rg_slot + i_hv * ring_len * K + offs_k
+    p_b = ring_beta + slot * s_rb_slot + i_hv * ring_len
+    s_ptrs = state + slot * s_state_slot + i_hv * V * K + offs_v[:, None] * K + offs_k[None, :]
+    S = tl.load(s_ptrs, mask=mask_s, other=0.0).to(tl.float32)
+    j = 0
+    while j < num:
+        node = tl.load(path + j).to(tl.int64)
+        # live=True: an inactive request never enters this loop (num = 0); a constant, as a
+        # block & scalar mask is what Triton 3.9 rejects
+        k_t, v_t, g_t, beta_t = _load_ring_step(p_k, p_v, p_g, p_b, node, True, mask_k, mask_v, K, V)
+        if USE_QK_L2NORM:
+            k_t = l2_normalize(k_t)
+        S = delta_rule_update(S, k_t, v_t, g_t, beta_t)
+        j += 1
+    tl.store(s_ptrs, S.to(state.dtype.element_ty), mask=mask_s)
+
+
+_commit_tree_ring = CachedKernel(_commit_tree_ring_kernel)
+
+
+@register("commit_tree_ring", "triton")
+def commit_tree_ring_triton(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, paths, accept_lens, *,
+                            use_qk_l2norm, null_block_id):
+    N = slot_indices.shape[0]
+    if N == 0:
+        return
+    _, HV, V, K = state.shape
+    H, ring_len = ring_k.shape[1], ring_k.shape[2]
+    block_v, num_warps = recurrence_tile(V, K)
+    _commit_tree_ring(
+        (triton.cdiv(V, block_v), HV, N),
+        (state, ring_k, ring_v, ring_g, ring_beta, slot_indices, paths, accept_lens, state.stride(0),
+         ring_k.stride(0), ring_v.stride(0), ring_g.stride(0), ring_beta.stride(0), paths.stride(0), ring_len,
+         paths.shape[1], state.shape[0], int(null_block_id)),
+        dict(H=H, HV=HV, K=K, V=V, BLOCK_K=triton.next_power_of_2(K), BLOCK_V=block_v,
+             USE_QK_L2NORM=bool(use_qk_l2norm)), num_warps=num_warps, num_stages=1)
+
+
+@register("commit_tree_ring", "reference")
+def commit_tree_ring_reference(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, paths, accept_lens, **kwargs):
+    reference.commit_tree_ring(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, paths, accept_lens, **kwargs)
+
+
+def commit_tree_ring(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, paths, accept_lens, *,
+                     use_qk_l2norm=True, null_block_id=-1, backend=None, full_checks=None):
+    """Fold the accepted path of request ``n`` (``paths[n, :accept_lens[n]]``: node ids, node
+    0 first, each node's parent before it) from the rings of a ring-mode ``tree_verify`` into
+    ``state[slot_indices[n]]``. Rings as ``commit_ring`` takes them (one layer). Rows with
+    slot ``<= null_block_id`` (or outside the pool), ``accept_lens <= 0`` or a path node
+    outside the rings are skipped (nothing read or written; full-check mode raises)."""
+    check_commit_ring(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, accept_lens, None, None,
+                      full_checks=False)
+    if state.dim() != 4:
+        contracts.fail(f"`state` must be [slots, HV, V, K] (got shape {tuple(state.shape)}).")
+    N = slot_indices.shape[0]
+    if paths.dim() != 2 or paths.shape[0] != N or paths.stride(1) != 1:
+        contracts.fail(f"`paths` must be [N={N}, P] node ids, contiguous in the last dim "
+                       f"(got shape {tuple(paths.shape)}).")
+    contracts.check_index_dtype("paths", paths)
+    contracts.check_same_device(state, paths)
+    if contracts.full_checks_enabled(full_checks):
+        contracts.check_slot_values("slot_indices", slot_indices, state.shape[0], full_checks=True)
+        L = ring_k.shape[2]
+        for n in range(N):
+            steps = int(accept_lens[n])
+            if int(slot_indices[n]) < 0 or steps <= 0:
+                continue
+            if steps > paths.shape[1]:
+                contracts.fail(f"`accept_lens` holds {steps} for request {n}, longer than its path ({paths.shape[1]}).")
+            nodes = paths[n, :steps]
+            if bool(((nodes < 0) | (nodes >= L)).any()):
+                contracts.fail(f"`paths` holds node ids {nodes.tolist()} for request {n}, outside the rings (L={L}).")
+    if torch.compiler.is_compiling() or type(state) is not torch.Tensor:  # traced: kdakit/custom_ops.py
+        torch.ops.kdakit.commit_tree_ring(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, paths, accept_lens,
+                                          bool(use_qk_l2norm), int(null_block_id), backend)
+        return
+    _, impl = select("commit_tree_ring", state.device, backend)
+    impl(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, paths, accept_lens, use_qk_l2norm=use_qk_l2norm,
+         null_block_id=null_block_id)

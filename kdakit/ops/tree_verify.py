@@ -1,0 +1,284 @@
+"""Tree verify: speculative trees (EAGLE top-k > 1), snapshot and ring modes.
+
+Request ``n`` brings ``T`` nodes; node ``t`` has parent ``p = parents[n, t]``. Node 0 starts
+from the committed state ``state[slot]`` and conv windows whatever ``parents[n, 0]``
+holds; node ``t > 0`` from the post-state and windows of node ``p`` when ``0 <= p < t``,
+from the committed ones when ``p = -1``. An invalid parent (``p >= t`` or ``p < -1``) is a
+ValueError in full-check mode and is treated as ``p = -1`` otherwise (never an unwritten
+snapshot). Each node applies its own token with the one-token math; its post-state goes to
+``snapshots[row, t]`` and its windows to ``intermediate_conv[i][row, t]``
+(``row = scratch_indices[n]``). Committing accepted node ``a`` is ``commit_snapshots`` with
+``a`` as the accepted step.
+
+The recurrence kernel walks the nodes in order, one program per (request, value head, V
+tile) with the chain verify's tile (``mtp_verify.recurrence_tile``) and its step loader, so
+a tree whose parents form a chain computes exactly what ``mtp_verify`` computes: while
+``p == t - 1`` the state stays in registers; otherwise the program reloads its own tile of
+node ``p``'s snapshot (or of the committed state), after a barrier that makes its threads'
+snapshot stores visible. The short conv runs first as its own kernel (``tree_conv.py``).
+
+Ring mode (``rings=``, no snapshots) stores node ``t``'s raw inputs at ring position ``t`` of
+the slot; a node whose parent is not the node before it refolds the parent's path from the
+committed tile and the inputs, so its outputs equal snapshot mode's bit for bit, and
+``commit_tree_ring`` (``tree_commit.py``) folds the accepted path into the slot.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from .. import contracts, reference
+from ..backends import register, select
+from .gated_rmsnorm import gated_rmsnorm_after
+from .launch import CachedKernel, pdl_available
+from .mtp_verify import _load_step, check_mtp_verify, recurrence_tile
+from .tree_conv import load_tree_parents, tree_conv, tree_parent
+from .triton_math import delta_rule_update, l2_normalize
+
+
+@triton.jit
+def _refold_path(S, s_ptrs, mask_s, par, p, x_q, x_k, x_v, a, b, n64, i_hv, ch_qk, ch_v, offs_k, mask_k,
+                 mask_v, bias, A_log_h, lower_bound, T: tl.constexpr, H: tl.constexpr, HV: tl.constexpr,
+                 K: tl.constexpr, V: tl.constexpr, SAFE_GATE: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Node p's post-state tile (the committed tile for p = -1): the committed tile with the
+    nodes of p's path folded in, root first. Parent look-ups run in registers
+    (``load_tree_parents``): node i of the path (depth i) is p's ancestor depth(p) - 1 - i steps up."""
+    depth = 0
+    node = p
+    while node >= 0:
+        depth += 1
+        node = tree_parent(par, node, BLOCK_T)
+    S = tl.load(s_ptrs, mask=mask_s, other=0.0).to(tl.float32)
+    i = 0
+    while i < depth:
+        node = p
+        j = 0
+        while j < depth - 1 - i:
+            node = tree_parent(par, node, BLOCK_T)
+            j += 1
+        _, k_i, v_i, g_i, beta_i = _load_step(x_q, x_k, x_v, a, b, node, n64, i_hv, ch_qk, ch_v, offs_k, mask_k,
+                                              mask_v, bias, A_log_h, lower_bound, T, H, HV, K, V, SAFE_GATE)
+        S = delta_rule_update(S, l2_normalize(k_i), v_i, g_i, beta_i)
+        i += 1
+    return S
+
+
+@triton.jit
+def _tree_verify_kernel(
+    q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, parents, out, snapshots,
+    ring_k, ring_v, ring_g, ring_beta,
+    stride_state_slot, s_snap_row, s_snap_t, s_rk_slot, s_rv_slot, s_rg_slot, s_rb_slot, ring_len,
+    num_slots, num_rows, scale, lower_bound,
+    T: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_T: tl.constexpr, SAFE_GATE: tl.constexpr,
+    RING: tl.constexpr,
+    WAIT_FOR_TOKENS: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
+):
+    # One program: BLOCK_V state rows of one (request, value head), through the T nodes.
+    # RING (no snapshots): a node whose parent is not the previous node starts again from
+    # the committed tile and refolds its parent's path from the inputs (the same loads and
+    # device functions in the same order, so the same bits as had it stayed in registers);
+    # node t's raw inputs go to ring position t, one writer per datum as in mtp_verify.
+    i_v, i_hv, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if LAUNCH_DEPENDENTS:  # the output norm may start loading its gate now
+        gdc_launch_dependents()
+    G: tl.constexpr = HV // H
+    i_h = i_hv // G
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_v = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask_k = offs_k < K
+    mask_v = offs_v < V
+    slot = tl.load(slot_indices + i_n).to(tl.int64)
+    row = tl.load(scratch_indices + i_n).to(tl.int64)
+    # padding rows (a slot or scratch row outside its buffer): zero output, nothing else read or written
+    live = (slot >= 0) & (slot < num_slots) & (row >= 0) & (row < num_rows)
+    slot = tl.where(live, slot, 0)
+    row = tl.where(live, row, 0)
+    # the scalars folded into the bounds (Triton 3.9 rejects block & scalar masks)
+    mask_s = (offs_v < tl.where(live, V, 0))[:, None] & mask_k[None, :]
+    mask_v_live = offs_v < tl.where(live, V, 0)
+    mask_k_head = offs_k < tl.where(live & (i_v == 0), K, 0)                   # g, β: V tile 0 of the head
+    mask_k_key_head = offs_k < tl.where(live & (i_v == 0) & (i_hv % G == 0), K, 0)  # k: the group's first head
+    tile = i_hv * V * K + offs_v[:, None] * K + offs_k[None, :]
+    s_ptrs = state + slot * stride_state_slot + tile
+    snap_ptrs = snapshots + row * s_snap_row + tile
+    S = tl.load(s_ptrs, mask=mask_s, other=0.0).to(tl.float32)
+
+    n64 = i_n.to(tl.int64)
+    x_q = q + n64 * T * H * K                     # this request's node 0, channel 0
+    x_k = k + n64 * T * H * K
+    x_v = v + n64 * T * HV * V
+    ch_qk = i_h * K + offs_k
+    ch_v = i_hv * V + offs_v
+    bias = tl.load(dt_bias + i_hv * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+    A_log_h = tl.load(A_log + i_hv).to(tl.float32)
+    par = load_tree_parents(parents + n64 * T, T, BLOCK_T)  # once: every look-up after it in registers
+    if WAIT_FOR_TOKENS:
+        gdc_wait()
+
+    nxt = _load_step(x_q, x_k, x_v, a, b, 0, n64, i_hv, ch_qk, ch_v, offs_k, mask_k, mask_v, bias, A_log_h,
+                     lower_bound, T, H, HV, K, V, SAFE_GATE)
+    for t in tl.static_range(T):
+        q_t, k_t, v_t, g_t, beta_t = nxt
+        if t + 1 < T:
+            nxt = _load_step(x_q, x_k, x_v, a, b, t + 1, n64, i_hv, ch_qk, ch_v, offs_k, mask_k, mask_v, bias,
+                             A_log_h, lower_bound, T, H, HV, K, V, SAFE_GATE)
+        if t > 0:
+            p = tree_parent(par, t, BLOCK_T)  # an invalid parent starts from the committed state
+            if p != t - 1:
+                if RING:
+                    S = _refold_path(S, s_ptrs, mask_s, par, p, x_q, x_k, x_v, a, b, n64, i_hv, ch_qk,
+                                     ch_v, offs_k, mask_k, mask_v, bias, A_log_h, lower_bound, T, H, HV, K, V,
+                                     SAFE_GATE, BLOCK_T)
+                else:
+                    # Another thread of this program may have stored the elements this one reloads.
+                    tl.debug_barrier()
+                    if p < 0:
+                        S = tl.load(s_ptrs, mask=mask_s, other=0.0).to(tl.float32)
+                    else:
+                        S = tl.load(snap_ptrs + p * s_snap_t, mask=mask_s, other=0.0).to(tl.float32)
+        if RING:  # the raw per-node inputs of the commit's replay
+            tl.store(ring_k + slot * s_rk_slot + (i_h * ring_len + t) * K + offs_k, k_t.to(ring_k.dtype.element_ty),
+                     mask=mask_k_key_head)
+            tl.store(ring_v + slot * s_rv_slot + (i_hv * ring_len + t) * V + offs_v,
+                     v_t.to(ring_v.dtype.element_ty), mask=mask_v_live)
+            tl.store(ring_g + slot * s_rg_slot + (i_hv * ring_len + t) * K + offs_k,
+                     g_t.to(ring_g.dtype.element_ty), mask=mask_k_head)
+            tl.store(ring_beta + slot * s_rb_slot + i_hv * ring_len + t, beta_t.to(ring_beta.dtype.element_ty),
+                     mask=live & (i_v == 0))
+        q_hat = l2_normalize(q_t) * scale
+        S = delta_rule_update(S, l2_normalize(k_t), v_t, g_t, beta_t)
+        o = tl.where(live, tl.sum(S * q_hat[None, :], axis=1), 0.0)
+        tl.store(out + ((n64 * T + t) * HV + i_hv) * V + offs_v, o.to(out.dtype.element_ty), mask=mask_v)
+        if not RING:
+            tl.store(snap_ptrs + t * s_snap_t, S.to(snapshots.dtype.element_ty), mask=mask_s)
+
+
+_tree_verify = CachedKernel(_tree_verify_kernel)
+
+
+def _num_rows(snapshots, intermediate_conv) -> int:
+    """Scratch rows every per-request buffer holds: a row at or past it is padding (None: no
+    per-request scratch, ring mode without the conv)."""
+    rows = ([snapshots.shape[0]] if snapshots is not None else []) + [ic.shape[0] for ic in (intermediate_conv or ())]
+    return min(rows) if rows else None
+
+
+@register("tree_verify", "triton")
+def tree_verify_triton(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, parents, out, *,
+                       conv_weights, conv_states, intermediate_conv, conv_bias, snapshots, scale, lower_bound,
+                       norm_gate, norm_weight, norm_eps, rings=None):
+    N, T, H, K = q.shape
+    HV, V = v.shape[-2:]
+    if N == 0:
+        return out
+    pdl = pdl_available(q.device)
+    num_rows = _num_rows(snapshots, intermediate_conv if conv_weights is not None else None)
+    rows_in = scratch_indices
+    if num_rows is None:  # ring mode without the conv: no per-request scratch, the rows are not looked at
+        rows_in, num_rows = slot_indices, state.shape[0]
+    dummy = state  # never dereferenced: the constexpr RING compiles the other mode's uses away
+    ring_k, ring_v, ring_g, ring_beta = rings if rings is not None else (dummy,) * 4
+    ring = rings is not None
+    conv = conv_weights is not None
+    if conv:  # its own kernel first; the recurrence reads the post-conv tokens
+        q, k, v = tree_conv(q, k, v, conv_weights, conv_bias, conv_states, intermediate_conv, slot_indices,
+                            scratch_indices, parents, num_rows=num_rows, launch_dependents=pdl)
+    norm = norm_weight is not None
+    raw_out = torch.empty(out.shape, dtype=torch.float32, device=out.device) if norm else out
+    block_v, num_warps = recurrence_tile(V, K)
+    _tree_verify(
+        (triton.cdiv(V, block_v), HV, N),
+        (q, k, v, a, b, A_log, dt_bias, state, slot_indices, rows_in, parents, raw_out,
+         snapshots if not ring else dummy, ring_k, ring_v, ring_g, ring_beta,
+         state.stride(0), *((0, 0) if ring else (snapshots.stride(0), snapshots.stride(1))),
+         *((ring_k.stride(0), ring_v.stride(0), ring_g.stride(0), ring_beta.stride(0), ring_k.shape[2]) if ring
+           else (0,) * 5), state.shape[0], num_rows, float(scale),
+         float(lower_bound) if lower_bound is not None else 0.0),
+        dict(T=T, H=H, HV=HV, K=K, V=V, BLOCK_K=triton.next_power_of_2(K), BLOCK_V=block_v,
+             BLOCK_T=triton.next_power_of_2(T), SAFE_GATE=lower_bound is not None, RING=ring, WAIT_FOR_TOKENS=conv and pdl,
+             LAUNCH_DEPENDENTS=norm and pdl),
+        num_warps=num_warps, num_stages=1, launch_pdl=conv and pdl)
+    if norm:  # padding rows stay zero: their raw output is zero, and so is its norm
+        gated_rmsnorm_after(raw_out, norm_gate, norm_weight, out, eps=norm_eps, wait_for_x=pdl)
+    return out
+
+
+@register("tree_verify", "reference")
+def tree_verify_reference(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, parents, out,
+                          **kwargs):
+    return reference.tree_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, parents, out,
+                                 **kwargs)
+
+
+# ----------------------------------------------------------------------------
+# Input checks
+# ----------------------------------------------------------------------------
+def check_tree_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, parents, out, *,
+                      conv_weights, conv_states, intermediate_conv, conv_bias, snapshots, lower_bound, norm_gate,
+                      norm_weight, rings=None, full_checks=None):
+    """The chain verify's checks, then ``parents``; raises before anything runs."""
+    if (snapshots is None) == (rings is None):
+        contracts.fail("a tree verify needs `snapshots` ([scratch, >=T, HV, V, K]: every node's post-state, which "
+                       "commit_snapshots of the accepted node copies) or `rings` (ring mode, commit_tree_ring), "
+                       f"exactly one of them (got {'neither' if snapshots is None else 'both'}).")
+    check_mtp_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, out,
+                     conv_weights=conv_weights, conv_states=conv_states, intermediate_conv=intermediate_conv,
+                     conv_bias=conv_bias, snapshots=snapshots, rings=rings, lower_bound=lower_bound,
+                     norm_gate=norm_gate, norm_weight=norm_weight, full_checks=full_checks)
+    N, T = q.shape[:2]
+    if parents.dim() != 2 or tuple(parents.shape) != (N, T) or not parents.is_contiguous():
+        contracts.fail(f"`parents` must be a contiguous [N, T] = {(N, T)} tensor of parent node ids "
+                       f"(got shape {tuple(parents.shape)}).")
+    contracts.check_index_dtype("parents", parents)
+    contracts.check_same_device(q, parents)
+    if contracts.full_checks_enabled(full_checks) and T > 1:
+        live = slot_indices >= 0
+        p = parents[live, 1:].long()
+        t = torch.arange(1, T, device=p.device)
+        bad = (p < -1) | (p >= t)
+        if bool(bad.any()):
+            n, i = (int(x) for x in torch.nonzero(bad)[0])
+            n = int(torch.nonzero(live).flatten()[n])
+            contracts.fail(f"`parents` holds an invalid parent {int(parents[n, i + 1])} for node {i + 1} of request "
+                           f"{n}: a node's parent must be -1 (the committed state) or an earlier node (0 <= p < t).")
+
+
+def tree_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, parents, out=None, *,
+                conv_weights=None, conv_states=None, intermediate_conv=None, conv_bias=None, snapshots=None,
+                norm_gate=None, norm_weight=None, norm_eps=1e-6, scale=None, lower_bound=None, full_checks=None,
+                backend=None, rings=None):
+    """Verify a tree of ``T`` nodes per request without touching the persistent pools.
+
+    Layouts of ``mtp_verify``: ``q, k [N, T, H, K]``, ``v [N, T, HV, V]`` (pre-conv when
+    ``conv_weights=(w_q, w_k, w_v)`` is given), ``a [N, T, HV, K]``, ``b [N, T, HV]``,
+    ``state [slots, HV, V, K]`` read-only, ``snapshots [scratch, >=T, HV, V, K]`` or, in ring
+    mode, ``rings=(ring_k, ring_v, ring_g, ring_beta)`` (``mtp_verify``'s ring layouts; node
+    ``t`` at ring position ``t``; commit with ``commit_tree_ring``),
+    ``intermediate_conv[i] [scratch, >=T, C_i, W-1]``; ``parents [N, T]`` int32/int64 (node
+    0's entry is ignored; -1: the committed state). Node ``t``'s post-state goes to
+    ``snapshots[scratch_indices[n], t]``. A slot or scratch row outside its buffer is a
+    padding row (zero output, nothing read or written). Returns ``out [N, T, HV, V]``.
+    """
+    if out is None and q.dim() == 4 and v.dim() == 4:
+        out = torch.empty(v.shape, dtype=q.dtype, device=q.device)
+    check_tree_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, parents, out,
+                      conv_weights=conv_weights, conv_states=conv_states, intermediate_conv=intermediate_conv,
+                      conv_bias=conv_bias, snapshots=snapshots, lower_bound=lower_bound, norm_gate=norm_gate,
+                      norm_weight=norm_weight, rings=rings, full_checks=full_checks)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if torch.compiler.is_compiling() or type(q) is not torch.Tensor:  # traced: kdakit/custom_ops.py
+        from ..custom_ops import mtp_verify_tensors
+        torch.ops.kdakit.tree_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, parents,
+                                     out, *mtp_verify_tensors(conv_weights, conv_states, intermediate_conv, conv_bias,
+                                                              snapshots, rings),
+                                     float(scale), None if lower_bound is None else float(lower_bound), norm_gate,
+                                     norm_weight, float(norm_eps), backend)
+        return out
+    _, impl = select("tree_verify", q.device, backend)
+    return impl(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, parents, out,
+                conv_weights=conv_weights, conv_states=conv_states, intermediate_conv=intermediate_conv,
+                conv_bias=conv_bias, snapshots=snapshots, rings=rings, scale=scale, lower_bound=lower_bound,
+                norm_gate=norm_gate, norm_weight=norm_weight, norm_eps=norm_eps)
