@@ -16,15 +16,15 @@ from .. import contracts, reference
 from ..backends import register, select
 from .launch import CachedKernel
 from .mtp_verify import recurrence_tile
-from .triton_math import delta_rule_update, l2_normalize
+from .triton_math import delta_rule_update, l2_normalize, mask_if
 
 
 @triton.jit
 def _load_ring_step(p_k, p_v, p_g, p_b, t, live, mask_k, mask_v, K: tl.constexpr, V: tl.constexpr):
     """Ring position t (float32): raw k, v, log-decay g, β; zeros where not ``live``."""
-    k_t = tl.load(p_k + t * K, mask=mask_k & live, other=0.0).to(tl.float32)
-    v_t = tl.load(p_v + t * V, mask=mask_v & live, other=0.0).to(tl.float32)
-    g_t = tl.load(p_g + t * K, mask=mask_k & live, other=0.0).to(tl.float32)
+    k_t = tl.load(p_k + t * K, mask=mask_if(mask_k, live), other=0.0).to(tl.float32)
+    v_t = tl.load(p_v + t * V, mask=mask_if(mask_v, live), other=0.0).to(tl.float32)
+    g_t = tl.load(p_g + t * K, mask=mask_if(mask_k, live), other=0.0).to(tl.float32)
     beta_t = tl.load(p_b + t, mask=live, other=0.0).to(tl.float32)
     return k_t, v_t, g_t, beta_t
 
@@ -56,7 +56,7 @@ def _fold_ring_steps(S, p_k, p_v, p_g, p_b, num_steps, mask_k, mask_v, track_ptr
                                                     K, V)
         S = delta_rule_update(S, k_t, v_t, g_t, beta_t)
         if TRACK:
-            tl.store(track_ptrs, S.to(track_ptrs.dtype.element_ty), mask=track_mask & (t == track_step))
+            tl.store(track_ptrs, S.to(track_ptrs.dtype.element_ty), mask=mask_if(track_mask, t == track_step))
         if USE_QK_L2NORM:
             k_n = l2_normalize(k_n)
         t += 1
@@ -100,20 +100,20 @@ def _commit_ring_kernel(
     p_v_head = ring_v + layer * s_rv_layer + slot * s_rv_slot + i_hv * ring_len * V
 
     offs_v = i_v * TILES * BLOCK_V + tl.arange(0, BLOCK_V)
-    mask_s = active & ((offs_v < V)[:, None] & mask_k[None, :])
+    mask_s = mask_if((offs_v < V)[:, None] & mask_k[None, :], active)
     S_next = tl.load(head + slot * s_state_slot + offs_v[:, None] * K + offs_k[None, :], mask=mask_s, other=0.0)
     for j in tl.static_range(TILES):
         offs_v = (i_v * TILES + j) * BLOCK_V + tl.arange(0, BLOCK_V)
         mask_v = offs_v < V
-        mask_s = active & (mask_v[:, None] & mask_k[None, :])
+        mask_s = mask_if(mask_v[:, None] & mask_k[None, :], active)
         tile = offs_v[:, None] * K + offs_k[None, :]
         S = S_next.to(tl.float32)
         if j + 1 < TILES:
             offs_next = offs_v + BLOCK_V
             S_next = tl.load(head + slot * s_state_slot + offs_next[:, None] * K + offs_k[None, :],
-                             mask=active & ((offs_next < V)[:, None] & mask_k[None, :]), other=0.0)
+                             mask=mask_if((offs_next < V)[:, None] & mask_k[None, :], active), other=0.0)
         S = _fold_ring_steps(S, p_k, p_v_head + offs_v, p_g, p_b, num_steps, mask_k, mask_v,
-                             head + track_slot * s_state_slot + tile, mask_s & track_live, track_step,
+                             head + track_slot * s_state_slot + tile, mask_if(mask_s, track_live), track_step,
                              K, V, USE_QK_L2NORM, TRACK, STEPS_AHEAD)
         tl.store(head + slot * s_state_slot + tile, S.to(state.dtype.element_ty), mask=mask_s)
 
@@ -132,7 +132,7 @@ def _gather_copy_kernel(
     active = (slot >= 0) & (step >= 0)
     offs_r = i_r * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_c = tl.arange(0, BLOCK_C)
-    mask = active & (offs_r[:, None] < ROWS) & (offs_c[None, :] < COLS)
+    mask = mask_if((offs_r[:, None] < ROWS) & (offs_c[None, :] < COLS), active)
     src_ptrs = src + row * s_src_row + step * s_src_step + offs_r[:, None] * s_src_r + offs_c[None, :] * s_src_c
     vals = tl.load(src_ptrs, mask=mask, other=0.0)
     dst_ptrs = dst + slot * s_dst_slot + offs_r[:, None] * s_dst_r + offs_c[None, :] * s_dst_c

@@ -23,21 +23,21 @@ from .launch import CachedKernel, arrival_counters, pdl_available
 from .packed_decode import _launch_config as packed_launch_config
 from .packed_decode import packed_decode_triton
 from .triton_math import (conv_apply, conv_inputs, delta_rule_update, gated_rmsnorm_rows, kda_log_decay,
-                          l2_normalize, shift_window, short_conv)
+                          l2_normalize, mask_if, shift_window, short_conv)
 
 
 @triton.jit
 def _load_tile(head_state, offs_v, offs_k, mask_k, in_use, V: tl.constexpr, K: tl.constexpr):
     """State rows ``offs_v`` (none past V) as stored; nothing read where not ``in_use``."""
     return tl.load(head_state + offs_v[:, None] * K + offs_k[None, :],
-                   mask=in_use & ((offs_v < V)[:, None] & mask_k[None, :]), other=0.0)
+                   mask=mask_if((offs_v < V)[:, None] & mask_k[None, :], in_use), other=0.0)
 
 
 @triton.jit
 def _store_tile(head_state, offs_v, offs_k, mask_k, S, in_use, V: tl.constexpr, K: tl.constexpr):
     """``_load_tile``'s rows back, in the pool's dtype; nothing written where not ``in_use``."""
     tl.store(head_state + offs_v[:, None] * K + offs_k[None, :], S.to(head_state.dtype.element_ty),
-             mask=in_use & ((offs_v < V)[:, None] & mask_k[None, :]))
+             mask=mask_if((offs_v < V)[:, None] & mask_k[None, :], in_use))
 
 
 @triton.jit
@@ -47,7 +47,7 @@ def _v_conv_inputs(row, win_row, conv_weight, conv_bias, stride_conv_chan, strid
     """The v-conv loads of state rows ``offs_v`` (``conv_inputs``); nothing read where not ``in_use``."""
     v_chan = v_chan0 + offs_v
     return conv_inputs(row + v_chan, win_row + v_chan.to(tl.int64) * stride_conv_chan, conv_weight + v_chan * W,
-                       conv_bias + v_chan, stride_conv_tap, (offs_v < V) & in_use, live, W, BLOCK_TAPS,
+                       conv_bias + v_chan, stride_conv_tap, mask_if(offs_v < V, in_use), live, W, BLOCK_TAPS,
                        HAS_CONV_BIAS)
 
 

@@ -27,7 +27,7 @@ from ..backends import register, select
 from .gated_rmsnorm import gated_rmsnorm_after
 from .launch import CachedKernel, pdl_available
 from .ring_verify import ring_verify
-from .triton_math import delta_rule_update, kda_log_decay, l2_normalize
+from .triton_math import delta_rule_update, kda_log_decay, l2_normalize, mask_if
 from .verify_conv import verify_conv
 
 
@@ -79,7 +79,7 @@ def _mtp_verify_kernel(
     live = slot >= 0  # padding rows: zero output, nothing else read or written
     writes_head = live & (i_v == 0)
     writes_key_head = writes_head & (i_hv % G == 0)
-    mask_s = live & (mask_v[:, None] & mask_k[None, :])
+    mask_s = mask_if(mask_v[:, None] & mask_k[None, :], live)
     s_ptrs = state + slot * stride_state_slot + i_hv * V * K + offs_v[:, None] * K + offs_k[None, :]
     S = tl.load(s_ptrs, mask=mask_s, other=0.0).to(tl.float32)
 
@@ -103,11 +103,11 @@ def _mtp_verify_kernel(
                              A_log_h, lower_bound, T, H, HV, K, V, SAFE_GATE)
         if RING:  # the raw per-step inputs of the commit's replay
             tl.store(ring_k + slot * s_rk_slot + (i_h * ring_len + t) * K + offs_k, k_t.to(ring_k.dtype.element_ty),
-                     mask=mask_k & writes_key_head)
+                     mask=mask_if(mask_k, writes_key_head))
             tl.store(ring_v + slot * s_rv_slot + (i_hv * ring_len + t) * V + offs_v,
-                     v_t.to(ring_v.dtype.element_ty), mask=mask_v & live)
+                     v_t.to(ring_v.dtype.element_ty), mask=mask_if(mask_v, live))
             tl.store(ring_g + slot * s_rg_slot + (i_hv * ring_len + t) * K + offs_k,
-                     g_t.to(ring_g.dtype.element_ty), mask=mask_k & writes_head)
+                     g_t.to(ring_g.dtype.element_ty), mask=mask_if(mask_k, writes_head))
             tl.store(ring_beta + slot * s_rb_slot + i_hv * ring_len + t, beta_t.to(ring_beta.dtype.element_ty),
                      mask=writes_head)
         q_hat = l2_normalize(q_t) * scale

@@ -15,7 +15,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from .. import contracts, reference
 from ..backends import forced_backend, register, select
 from .launch import CachedKernel
-from .triton_math import delta_rule_update, kda_log_decay, l2_normalize
+from .triton_math import delta_rule_update, kda_log_decay, l2_normalize, mask_if
 
 
 @triton.jit
@@ -53,7 +53,7 @@ def _packed_decode_kernel(
     head_state = state + slot * stride_state_slot + i_hv * V * K
     first_v = i_v * V_TILES * BLOCK_V + tl.arange(0, BLOCK_V)
     S_next = tl.load(head_state + first_v[:, None] * K + offs_k[None, :],
-                     mask=live & ((first_v < V)[:, None] & mask_k[None, :]), other=0.0, eviction_policy=EVICT)
+                     mask=mask_if((first_v < V)[:, None] & mask_k[None, :], live), other=0.0, eviction_policy=EVICT)
     if WAIT_FOR_QKV:
         gdc_wait()
     q = tl.load(row + i_h * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
@@ -72,10 +72,10 @@ def _packed_decode_kernel(
         mask_v = offs_v < V
         v = tl.load(row + 2 * H * K + i_hv * V + offs_v, mask=mask_v, other=0.0).to(tl.float32)
         s_ptrs = head_state + offs_v[:, None] * K + offs_k[None, :]
-        mask_s = live & (mask_v[:, None] & mask_k[None, :])
+        mask_s = mask_if(mask_v[:, None] & mask_k[None, :], live)
         S = S_next.to(tl.float32)
         if tile + 1 < V_TILES:
-            S_next = tl.load(s_ptrs + BLOCK_V * K, mask=live & ((offs_v + BLOCK_V < V)[:, None] & mask_k[None, :]),
+            S_next = tl.load(s_ptrs + BLOCK_V * K, mask=mask_if((offs_v + BLOCK_V < V)[:, None] & mask_k[None, :], live),
                              other=0.0, eviction_policy=EVICT)
         S = delta_rule_update(S, k, v, g, beta)
         o = tl.where(live, tl.sum(S * q[None, :], axis=1), 0.0)

@@ -27,7 +27,7 @@ import triton.language as tl
 from .. import contracts, reference
 from ..backends import register, select
 from .launch import CachedKernel
-from .triton_math import delta_rule_update, kda_log_decay, l2_normalize
+from .triton_math import delta_rule_update, kda_log_decay, l2_normalize, mask_if
 
 # How beta becomes β: as given, sigmoid of a logit, or 2·sigmoid (fla's allow_neg_eigval).
 BETA_AS_IS, BETA_SIGMOID, BETA_SIGMOID_X2 = 0, 1, 2
@@ -106,7 +106,7 @@ def _recurrent_forward_kernel(
     first_v = i_v * V_TILES * BLOCK_V + tl.arange(0, BLOCK_V)
     if PREFETCH_TILE:
         S_next = _load_state_tile(state + slot * stride_s_slot + i_hv * stride_s_h, first_v, offs_k, stride_s_v,
-                                  stride_s_k, (slot >= 0) & (first_v < V)[:, None] & mask_k[None, :])
+                                  stride_s_k, mask_if((first_v < V)[:, None] & mask_k[None, :], slot >= 0))
     for i_tile in tl.static_range(V_TILES):
         offs_v = (i_v * V_TILES + i_tile) * BLOCK_V + tl.arange(0, BLOCK_V)
         mask_v = offs_v < V
@@ -116,11 +116,11 @@ def _recurrent_forward_kernel(
             S = S_next.to(tl.float32)
         else:
             S = _load_state_tile(state + slot * stride_s_slot + i_hv * stride_s_h, offs_v, offs_k, stride_s_v,
-                                 stride_s_k, (slot >= 0) & mask_s).to(tl.float32)
+                                 stride_s_k, mask_if(mask_s, slot >= 0)).to(tl.float32)
         if PREFETCH_TILE and i_tile + 1 < V_TILES:
             next_v = offs_v + BLOCK_V
             S_next = _load_state_tile(state + slot * stride_s_slot + i_hv * stride_s_h, next_v, offs_k, stride_s_v,
-                                      stride_s_k, (slot >= 0) & (next_v < V)[:, None] & mask_k[None, :])
+                                      stride_s_k, mask_if((next_v < V)[:, None] & mask_k[None, :], slot >= 0))
 
         t = bos
         while t < eos:
@@ -150,7 +150,7 @@ def _recurrent_forward_kernel(
                 if WRITE_STATE:
                     slot_t = tl.load(slot_indices + n64 * stride_idx_n + (t - bos) * stride_idx_t).to(tl.int64)
                     tl.store(state + slot_t * stride_s_slot + tile, S.to(state.dtype.element_ty),
-                             mask=(slot_t >= 0) & keep & mask_s)
+                             mask=mask_if(mask_s, (slot_t >= 0) & keep))
             t += 1
 
         if ZERO_UNCOVERED:
@@ -164,7 +164,7 @@ def _recurrent_forward_kernel(
 
         if not PER_TOKEN_SLOTS:
             if WRITE_STATE:
-                tl.store(state + slot * stride_s_slot + tile, S.to(state.dtype.element_ty), mask=(slot >= 0) & mask_s)
+                tl.store(state + slot * stride_s_slot + tile, S.to(state.dtype.element_ty), mask=mask_if(mask_s, slot >= 0))
         if HAS_FINAL_STATES:
             p_fs = final_states + n64 * stride_fs_n + i_hv * stride_fs_h
             tl.store(p_fs + offs_v[:, None] * stride_fs_v + offs_k[None, :] * stride_fs_k,

@@ -26,7 +26,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .launch import CachedKernel
-from .triton_math import kda_log_decay
+from .triton_math import kda_log_decay, mask_if
 
 
 @triton.jit
@@ -67,11 +67,11 @@ def _ring_verify_steps_kernel(
     # The commit's replay reads these (k before its L2 norm).
     ring_rows_k = (offs_t * K)[:, None] + offs_k[None, :]
     tl.store(ring_k + slot * s_rk_slot + i_h * ring_len * K + ring_rows_k, k_in.to(ring_k.dtype.element_ty),
-             mask=mask_tk & live & (i_hv % G == 0))
+             mask=mask_if(mask_tk, live & (i_hv % G == 0)))
     tl.store(ring_g + slot * s_rg_slot + i_hv * ring_len * K + ring_rows_k, g.to(ring_g.dtype.element_ty),
-             mask=mask_tk & live)
+             mask=mask_if(mask_tk, live))
     tl.store(ring_beta + slot * s_rb_slot + i_hv * ring_len + offs_t, beta.to(ring_beta.dtype.element_ty),
-             mask=mask_t & live)
+             mask=mask_if(mask_t, live))
 
     k_raw = k_in.to(tl.float32)
     q_hat = q_raw * (scale / tl.sqrt(tl.sum(q_raw * q_raw, axis=1) + 1e-6))[:, None]
@@ -152,15 +152,15 @@ def _ring_verify_state_kernel(
     tok = i_n.to(tl.int64) * T + offs_t
     vT = tl.load(v + (tok * HV + i_hv)[None, :] * V + offs_v[:, None], mask=mask_vt, other=0.0)
     tl.store(ring_v + slot * s_rv_slot + i_hv * ring_len * V + offs_t[None, :] * V + offs_v[:, None],
-             vT.to(ring_v.dtype.element_ty), mask=mask_vt & live)
+             vT.to(ring_v.dtype.element_ty), mask=mask_if(mask_vt, live))
     M = tl.load(m_rows + (head * T + offs_t)[:, None] * T + offs_t[None, :],
-                mask=live & mask_t[:, None] & mask_t[None, :], other=0.0)
+                mask=mask_if(mask_t[:, None] & mask_t[None, :], live), other=0.0)
     acc = tl.zeros((BLOCK_V, DOT_T), dtype=tl.float32)
     for k0 in tl.range(0, K, K_CHUNK, num_stages=NUM_STAGES):
         offs_c = k0 + tl.arange(0, K_CHUNK)
         mask_c = offs_c < K
-        S0 = tl.load(state_rows + offs_c[None, :], mask=live & mask_v[:, None] & mask_c[None, :], other=0.0)
-        x = tl.load(x_head + offs_c[None, :], mask=live & mask_t[:, None] & mask_c[None, :], other=0.0)
+        S0 = tl.load(state_rows + offs_c[None, :], mask=mask_if(mask_v[:, None] & mask_c[None, :], live), other=0.0)
+        x = tl.load(x_head + offs_c[None, :], mask=mask_if(mask_t[:, None] & mask_c[None, :], live), other=0.0)
         acc = tl.dot(S0.to(tl.float32), tl.trans(x), acc, input_precision=DOT_PRECISION)
     o = tl.dot(vT.to(tl.float32), tl.trans(M), acc, input_precision=DOT_PRECISION)
     tl.store(out + (tok * HV + i_hv)[None, :] * V + offs_v[:, None], o.to(out.dtype.element_ty), mask=mask_vt)

@@ -16,6 +16,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
 from .launch import CachedKernel
+from .triton_math import mask_if
 
 
 @triton.jit
@@ -23,7 +24,7 @@ def _conv_inputs(x, stride_x_t, window, stride_win_c, stride_win_w, ch, mask, li
     """Positions ``pos`` ([BLOCK_T, 1]) of the sequence [persistent window (W-1), x_0, x_1, ...]."""
     in_window = pos < W - 1
     from_window = tl.load(window + ch[None, :] * stride_win_c + pos * stride_win_w,
-                          mask=in_window & (mask & live)[None, :], other=0.0)
+                          mask=in_window & mask_if(mask, live)[None, :], other=0.0)
     x_pos = pos - (W - 1)
     from_x = tl.load(x + x_pos * stride_x_t + ch[None, :], mask=(x_pos >= 0) & (x_pos < T) & mask[None, :],
                      other=0.0)
@@ -46,7 +47,7 @@ def _conv_silu_steps(x, stride_x_t, window, stride_win_c, stride_win_w, weight, 
         acc += w[None, :] * tap
         if not WINDOW_RUNS and j >= 1:
             tl.store(dst + pos * stride_dst_t + ch[None, :] * (W - 1) + (j - 1), tap.to(dst.dtype.element_ty),
-                     mask=(pos < T) & (live & mask)[None, :])
+                     mask=(pos < T) & mask_if(mask, live)[None, :])
     if HAS_BIAS:
         acc += tl.load(bias + ch, mask=mask, other=0.0)[None, :]
     return acc * tl.sigmoid(acc)
@@ -67,7 +68,7 @@ def _store_windows(x, stride_x_t, window, stride_win_c, stride_win_w, c0, C, liv
     src = pos + 1 + (f % (W - 1))[None, :]
     vals = _conv_inputs(x, stride_x_t, window, stride_win_c, stride_win_w, c, valid, live, src, T, W)
     tl.store(dst + pos * stride_dst_t + c0 * (W - 1) + f[None, :], vals.to(dst.dtype.element_ty),
-             mask=(pos < T) & (valid & live)[None, :])
+             mask=(pos < T) & mask_if(valid, live)[None, :])
 
 
 @triton.jit
