@@ -12,11 +12,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import contracts, reference
+from .. import contracts, errors, reference
 from ..backends import register, select
 from .launch import CachedKernel
 from .mtp_verify import recurrence_tile
-from .triton_math import delta_rule_update, l2_normalize, mask_if
+from .triton_math import count_bad_row, delta_rule_update, l2_normalize, mask_if
 
 
 @triton.jit
@@ -65,12 +65,12 @@ def _fold_ring_steps(S, p_k, p_v, p_g, p_b, num_steps, mask_k, mask_v, track_ptr
 
 @triton.jit
 def _commit_ring_kernel(
-    state, ring_k, ring_v, ring_g, ring_beta, slot_indices, accept_lens, track_slots, track_steps,
+    state, ring_k, ring_v, ring_g, ring_beta, slot_indices, accept_lens, track_slots, track_steps, errors,
     s_state_layer, s_state_slot, s_rk_layer, s_rk_slot, s_rv_layer, s_rv_slot, s_rg_layer, s_rg_slot,
-    s_rb_layer, s_rb_slot, ring_len, null_block_id,
+    s_rb_layer, s_rb_slot, ring_len, null_block_id, num_slots,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, TILES: tl.constexpr, STEPS_AHEAD: tl.constexpr,
-    USE_QK_L2NORM: tl.constexpr, TRACK: tl.constexpr,
+    USE_QK_L2NORM: tl.constexpr, TRACK: tl.constexpr, ERR_INDEX: tl.constexpr,
 ):
     # Same tile shape and the same device functions as the verify kernel, so the
     # replayed state rounds exactly like the verify's snapshot of the same step. A program
@@ -85,15 +85,19 @@ def _commit_ring_kernel(
     mask_k = offs_k < K
     slot = tl.load(slot_indices + i_n).to(tl.int64)
     steps = tl.load(accept_lens + i_n).to(tl.int32)
-    active = (slot > null_block_id) & (slot >= 0) & (steps > 0)
-    num_steps = tl.minimum(tl.where(active, steps, 0), ring_len)  # never past the ring, even unchecked
+    claimed = (slot > null_block_id) & (slot >= 0)
+    in_pool = slot < num_slots
     head = state + layer * s_state_layer + i_hv * V * K
     if TRACK:
         track_slot = tl.load(track_slots + i_n).to(tl.int64)
         track_step = tl.load(track_steps + i_n).to(tl.int32)
         track_live = (track_slot > null_block_id) & (track_slot >= 0)
+        in_pool = in_pool & (~track_live | (track_slot < num_slots))
     else:
-        track_slot, track_step, track_live = slot, steps, active & (slot < 0)  # never stores
+        track_slot, track_step, track_live = slot, steps, claimed & (slot < 0)  # never stores
+    # A slot or track slot past the pool: the row is not committed at all (nothing half-written).
+    active = claimed & in_pool & (steps > 0)
+    num_steps = tl.minimum(tl.where(active, steps, 0), ring_len)  # never past the ring, even unchecked
     p_k = ring_k + layer * s_rk_layer + slot * s_rk_slot + i_h * ring_len * K + offs_k
     p_g = ring_g + layer * s_rg_layer + slot * s_rg_slot + i_hv * ring_len * K + offs_k
     p_b = ring_beta + layer * s_rb_layer + slot * s_rb_slot + i_hv * ring_len
@@ -116,20 +120,27 @@ def _commit_ring_kernel(
                              head + track_slot * s_state_slot + tile, mask_if(mask_s, track_live), track_step,
                              K, V, USE_QK_L2NORM, TRACK, STEPS_AHEAD)
         tl.store(head + slot * s_state_slot + tile, S.to(state.dtype.element_ty), mask=mask_s)
+    count_bad_row(errors, claimed & ~in_pool & (i_v == 0) & (i_layer_hv == 0), ERR_INDEX)
 
 
 @triton.jit
 def _gather_copy_kernel(
-    src, dst, slot_indices, scratch_indices, accepted_steps,
-    s_src_row, s_src_step, s_src_r, s_src_c, s_dst_slot, s_dst_r, s_dst_c,
+    src, dst, slot_indices, scratch_indices, accepted_steps, errors,
+    s_src_row, s_src_step, s_src_r, s_src_c, s_dst_slot, s_dst_r, s_dst_c, num_slots, num_rows, num_steps,
     ROWS: tl.constexpr, COLS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    ERR_INDEX: tl.constexpr,
 ):
-    # dst[slot, r, c] = src[row, step, r, c] for requests with a live slot and step >= 0.
+    # dst[slot, r, c] = src[row, step, r, c] for requests with a live slot and step >= 0,
+    # when slot, row and step are inside every pool and scratch buffer of the commit (each
+    # launch of one commit takes the same bounds, so a row is copied everywhere or nowhere).
     i_r, i_n = tl.program_id(0), tl.program_id(1)
     slot = tl.load(slot_indices + i_n).to(tl.int64)
     row = tl.load(scratch_indices + i_n).to(tl.int64)
     step = tl.load(accepted_steps + i_n).to(tl.int64)
-    active = (slot >= 0) & (step >= 0)
+    claimed = (slot >= 0) & (step >= 0)
+    inside = (slot < num_slots) & (row >= 0) & (row < num_rows) & (step < num_steps)
+    active = claimed & inside
+    count_bad_row(errors, claimed & ~inside & (i_r == 0), ERR_INDEX)
     offs_r = i_r * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_c = tl.arange(0, BLOCK_C)
     mask = mask_if((offs_r[:, None] < ROWS) & (offs_c[None, :] < COLS), active)
@@ -176,23 +187,24 @@ def commit_ring_triton(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, a
     grid = (triton.cdiv(V, block_v * tiles), num_layers * HV, N)
     _commit_ring(grid, (
         state, ring_k, ring_v, ring_g, ring_beta, slot_indices, accept_lens,
-        track_slots if track else slot_indices, track_steps if track else accept_lens,
+        track_slots if track else slot_indices, track_steps if track else accept_lens, errors.counters(state.device),
         state.stride(0) if layered else 0, state.stride(1),
         ring_k.stride(0) if layered else 0, ring_k.stride(1), ring_v.stride(0) if layered else 0, ring_v.stride(1),
         ring_g.stride(0) if layered else 0, ring_g.stride(1), ring_beta.stride(0) if layered else 0,
-        ring_beta.stride(1), ring_len, int(null_block_id)),
+        ring_beta.stride(1), ring_len, int(null_block_id), state.shape[1]),
         dict(H=H, HV=HV, K=K, V=V, BLOCK_K=triton.next_power_of_2(K),
              BLOCK_V=block_v, TILES=tiles, STEPS_AHEAD=COMMIT_STEPS_AHEAD,
-             USE_QK_L2NORM=bool(use_qk_l2norm), TRACK=track), num_warps=num_warps, num_stages=1)
+             USE_QK_L2NORM=bool(use_qk_l2norm), TRACK=track, ERR_INDEX=errors.INDEX["commit_ring"]),
+        num_warps=num_warps, num_stages=1)
 
 
 @register("commit_ring", "reference")
 def commit_ring_reference(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, accept_lens, **kwargs):
     if state.dim() == 4:
         return reference.commit_ring(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, accept_lens, **kwargs)
-    for layer in range(state.shape[0]):
+    for layer in range(state.shape[0]):  # a bad row counts once, as in the kernel
         reference.commit_ring(state[layer], ring_k[layer], ring_v[layer], ring_g[layer], ring_beta[layer],
-                              slot_indices, accept_lens, **kwargs)
+                              slot_indices, accept_lens, count_errors=layer == 0, **kwargs)
 
 
 def check_commit_ring(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, accept_lens, track_slots,
@@ -235,8 +247,13 @@ def check_commit_ring(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, ac
                                 track_steps)
     if contracts.full_checks_enabled(full_checks):
         contracts.check_slot_values("slot_indices", slot_indices, slots, full_checks=True)
-        if int(accept_lens.max(initial=0)) > L:
+        if accept_lens.numel() and int(accept_lens.max()) > L:
             contracts.fail(f"`accept_lens` holds {int(accept_lens.max())}, more steps than the rings hold (L={L}).")
+        if track_slots is not None:
+            tracked = track_slots[(track_slots >= 0) & (slot_indices >= 0)]
+            if tracked.numel() and int(tracked.max()) >= slots:
+                contracts.fail(f"`track_slots` holds slot {int(tracked.max())}, out of range for a pool of {slots} "
+                               "slots.")
 
 
 def commit_ring(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, accept_lens, *, track_slots=None,
@@ -265,13 +282,21 @@ def commit_ring(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, accept_l
 # Snapshot commit
 # ----------------------------------------------------------------------------
 def _gather_copy_launch(src, dst, slot_indices, scratch_indices, accepted_steps, rows, cols,
-                        src_rc_strides, dst_rc_strides):
+                        src_rc_strides, dst_rc_strides, bounds, err_index):
     block_c = triton.next_power_of_2(cols)
     block_r = max(1, min(triton.next_power_of_2(rows), 4096 // block_c))
     grid = (triton.cdiv(rows, block_r), slot_indices.shape[0])
-    _gather_copy(grid, (src, dst, slot_indices, scratch_indices, accepted_steps, src.stride(0), src.stride(1),
-                        *src_rc_strides, dst.stride(0), *dst_rc_strides),
-                 dict(ROWS=rows, COLS=cols, BLOCK_R=block_r, BLOCK_C=block_c), num_warps=4, num_stages=1)
+    _gather_copy(grid, (src, dst, slot_indices, scratch_indices, accepted_steps, errors.counters(src.device),
+                        src.stride(0), src.stride(1), *src_rc_strides, dst.stride(0), *dst_rc_strides, *bounds),
+                 dict(ROWS=rows, COLS=cols, BLOCK_R=block_r, BLOCK_C=block_c, ERR_INDEX=err_index),
+                 num_warps=4, num_stages=1)
+
+
+def snapshot_commit_bounds(state, snapshots, conv_states, intermediate_conv) -> tuple:
+    """(slots, scratch rows, steps) that every pool and scratch buffer of a snapshot commit holds."""
+    dst = ([state] if snapshots is not None else []) + list(conv_states or ())
+    src = ([snapshots] if snapshots is not None else []) + list(intermediate_conv or ())
+    return min(t.shape[0] for t in dst), min(t.shape[0] for t in src), min(t.shape[1] for t in src)
 
 
 @register("commit_snapshots", "triton")
@@ -279,13 +304,18 @@ def commit_snapshots_triton(state, snapshots, slot_indices, scratch_indices, acc
                             intermediate_conv):
     if slot_indices.shape[0] == 0:
         return
+    bounds = snapshot_commit_bounds(state, snapshots, conv_states, intermediate_conv)
+    err_index = errors.INDEX["commit_snapshots"]  # the first launch counts
     if snapshots is not None:
         _, HV, V, K = state.shape
         _gather_copy_launch(snapshots, state, slot_indices, scratch_indices, accepted_steps, HV * V, K,
-                            (K, 1), (K, 1))
+                            (K, 1), (K, 1), bounds, err_index)
+        err_index = errors.NO_COUNT
     for pool, inter in zip(conv_states or (), intermediate_conv or ()):
         _gather_copy_launch(inter, pool, slot_indices, scratch_indices, accepted_steps, pool.shape[1],
-                            pool.shape[2], (inter.stride(2), inter.stride(3)), (pool.stride(1), pool.stride(2)))
+                            pool.shape[2], (inter.stride(2), inter.stride(3)), (pool.stride(1), pool.stride(2)),
+                            bounds, err_index)
+        err_index = errors.NO_COUNT
 
 
 @register("commit_snapshots", "reference")
@@ -330,6 +360,10 @@ def commit_snapshots(state, snapshots, slot_indices, scratch_indices, accepted_s
         L = (snapshots if snapshots is not None else intermediate_conv[0]).shape[1]
         if steps.numel() and int(steps.max()) >= L:
             contracts.fail(f"`accepted_steps` holds {int(steps.max())}, past the {L} steps a scratch row holds.")
+        num_slots, num_rows, _ = snapshot_commit_bounds(state, snapshots, conv_states, intermediate_conv)
+        committed = (slot_indices >= 0) & (accepted_steps >= 0)
+        contracts.check_slot_values("slot_indices", slot_indices[committed], num_slots, full_checks=True)
+        contracts.check_rows_in_range("scratch_indices", scratch_indices[committed], num_rows, "row")
     if torch.compiler.is_compiling() or type(state) is not torch.Tensor:  # traced: kdakit/custom_ops.py
         torch.ops.kdakit.commit_snapshots(state, snapshots, slot_indices, scratch_indices, accepted_steps,
                                           list(conv_states or ()), list(intermediate_conv or ()), backend)

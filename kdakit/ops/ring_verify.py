@@ -25,18 +25,19 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from .. import errors
 from .launch import CachedKernel
-from .triton_math import kda_log_decay, mask_if
+from .triton_math import count_bad_row, index_in, kda_log_decay, mask_if
 
 
 @triton.jit
 def _ring_verify_steps_kernel(
-    q, k, a, b, A_log, dt_bias, slot_indices, x_rows, m_rows,
-    ring_k, ring_g, ring_beta, s_rk_slot, s_rg_slot, s_rb_slot, ring_len,
-    scale, lower_bound,
+    q, k, a, b, A_log, dt_bias, slot_indices, scratch_indices, x_rows, m_rows,
+    ring_k, ring_g, ring_beta, errors, s_rk_slot, s_rg_slot, s_rb_slot, ring_len,
+    num_slots, num_rows, scale, lower_bound,
     T: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, SAFE_GATE: tl.constexpr, FACTORED: tl.constexpr,
-    WAIT_FOR_TOKENS: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
+    WAIT_FOR_TOKENS: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr, ERR_INDEX: tl.constexpr,
 ):
     # One program per (request, value head): x and M (v enters in the state kernel). The k
     # ring has one writer per key head: the group's first value head.
@@ -50,7 +51,10 @@ def _ring_verify_steps_kernel(
     mask_t = offs_t < T
     mask_tk = mask_t[:, None] & (offs_k < K)[None, :]
     slot = tl.load(slot_indices + i_n).to(tl.int64)
-    live = slot >= 0
+    row = tl.load(scratch_indices + i_n).to(tl.int64)
+    # Padding rows, and indices past their buffers (as every kernel of the verify decides).
+    live = (slot >= 0) & (slot < num_slots) & index_in(row, num_rows)
+    count_bad_row(errors, (slot >= 0) & ~live & (i_hv == 0), ERR_INDEX)
     bias = tl.load(dt_bias + i_hv * K + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
     A_log_h = tl.load(A_log + i_hv).to(tl.float32)
     if WAIT_FOR_TOKENS:  # q and k come from the conv prologue launched just before
@@ -127,7 +131,8 @@ def _ring_verify_steps_kernel(
 
 @triton.jit
 def _ring_verify_state_kernel(
-    state, v, slot_indices, x_rows, m_rows, out, ring_v, stride_state_slot, s_rv_slot, ring_len,
+    state, v, slot_indices, scratch_indices, x_rows, m_rows, out, ring_v, stride_state_slot, s_rv_slot, ring_len,
+    num_slots, num_rows,
     T: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     DOT_T: tl.constexpr, BLOCK_V: tl.constexpr, K_CHUNK: tl.constexpr, NUM_STAGES: tl.constexpr,
     DOT_PRECISION: tl.constexpr, WAIT_FOR_STEPS: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
@@ -142,7 +147,9 @@ def _ring_verify_state_kernel(
     offs_v = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
     mask_t, mask_v = offs_t < T, offs_v < V
     slot = tl.load(slot_indices + i_n).to(tl.int64)
-    live = slot >= 0  # padding rows: zero output, nothing of the pool read
+    row = tl.load(scratch_indices + i_n).to(tl.int64)
+    # Padding rows, and indices past their buffers: zero output, nothing of the pool read.
+    live = (slot >= 0) & (slot < num_slots) & index_in(row, num_rows)
     head = i_n.to(tl.int64) * HV + i_hv
     state_rows = state + slot * stride_state_slot + i_hv * V * K + offs_v[:, None] * K
     x_head = x_rows + (head * T + offs_t)[:, None] * K
@@ -200,9 +207,10 @@ def steps_warps(T: int) -> int:
     return 1 if T <= 8 else 2
 
 
-def ring_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, out, rings, *, scale, lower_bound,
-                wait_for_tokens: bool, launch_dependents: bool, pdl: bool):
+def ring_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, bounds, out, rings, *, scale,
+                lower_bound, wait_for_tokens: bool, launch_dependents: bool, pdl: bool):
     """Outputs and ring entries of a ring-mode verify (post-conv q, k, v; inputs checked by the caller).
+    ``bounds = (slots, scratch rows or -1)``: rows whose indices fall outside are padding (counted).
     ``wait_for_tokens``: q, k, v come from a kernel launched just before (dependent launch)."""
     N, T, H, K = q.shape
     HV, V = v.shape[-2:]
@@ -211,18 +219,19 @@ def ring_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, out, rings, 
     m_rows = torch.empty(N, HV, T, T, dtype=torch.float32, device=q.device)
     _ring_verify_steps(
         (HV, N),
-        (q, k, a, b, A_log, dt_bias, slot_indices, x_rows, m_rows, ring_k, ring_g, ring_beta,
-         ring_k.stride(0), ring_g.stride(0), ring_beta.stride(0), ring_k.shape[2],
-         float(scale), float(lower_bound) if lower_bound is not None else 0.0),
+        (q, k, a, b, A_log, dt_bias, slot_indices, scratch_indices, x_rows, m_rows, ring_k, ring_g, ring_beta,
+         errors.counters(q.device), ring_k.stride(0), ring_g.stride(0), ring_beta.stride(0), ring_k.shape[2],
+         *bounds, float(scale), float(lower_bound) if lower_bound is not None else 0.0),
         dict(T=T, H=H, HV=HV, K=K, BLOCK_T=triton.next_power_of_2(T), BLOCK_K=triton.next_power_of_2(K),
              SAFE_GATE=lower_bound is not None, FACTORED=factored_pair_sums(T, lower_bound),
-             WAIT_FOR_TOKENS=wait_for_tokens and pdl, LAUNCH_DEPENDENTS=pdl),
+             WAIT_FOR_TOKENS=wait_for_tokens and pdl, LAUNCH_DEPENDENTS=pdl, ERR_INDEX=errors.INDEX["mtp_verify"]),
         num_warps=steps_warps(T), num_stages=1, launch_pdl=wait_for_tokens and pdl)
     block_v, num_warps = STATE_TILE
     block_v = max(16, min(block_v, triton.next_power_of_2(V)))
     _ring_verify_state(
         (triton.cdiv(V, block_v), HV, N),
-        (state, v, slot_indices, x_rows, m_rows, out, ring_v, state.stride(0), ring_v.stride(0), ring_v.shape[2]),
+        (state, v, slot_indices, scratch_indices, x_rows, m_rows, out, ring_v, state.stride(0), ring_v.stride(0),
+         ring_v.shape[2], *bounds),
         dict(T=T, HV=HV, K=K, V=V, DOT_T=max(16, triton.next_power_of_2(T)), BLOCK_V=block_v,
              K_CHUNK=max(16, min(K_CHUNK, triton.next_power_of_2(K))), NUM_STAGES=NUM_STAGES,
              DOT_PRECISION=DOT_PRECISION, WAIT_FOR_STEPS=pdl, LAUNCH_DEPENDENTS=launch_dependents and pdl),

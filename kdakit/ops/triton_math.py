@@ -16,6 +16,22 @@ def mask_if(mask, flag):
 
 
 @triton.jit
+def index_in(index, count):
+    """``0 <= index < count``, or True when ``count < 0`` (the index has no buffer in this call)."""
+    return (count < 0) | ((index >= 0) & (index < count))
+
+
+@triton.jit
+def count_bad_row(errors, bad, ERR_INDEX: tl.constexpr):
+    """One count on counter ``ERR_INDEX`` of ``errors`` (kdakit/errors.py) where ``bad``, a row
+    whose index fell outside its buffer; the atomic runs only for such a row. A negative
+    ERR_INDEX counts nothing (another kernel of the op counts)."""
+    if ERR_INDEX >= 0:
+        if bad:
+            tl.atomic_add(errors + ERR_INDEX, 1, sem="relaxed")
+
+
+@triton.jit
 def softplus(x):
     # The threshold keeps exp() finite; above it softplus(x) == x in float32.
     return tl.where(x <= 20.0, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))), x)
