@@ -286,3 +286,20 @@ def test_take_errors_sums_ops_and_resets():
     call(_with_bad(ix, bad), "triton")
     assert kdakit.take_errors() == {"packed_decode": 2, "causal_conv1d_update": 1}
     assert kdakit.take_errors() == {}
+
+
+def test_helion_packed_decode(monkeypatch):
+    pytest.importorskip("helion")
+    monkeypatch.setenv("HELION_INTERPRET", "1")
+    kdakit.take_errors()
+    expect_bufs = Buffers(2)
+    call, ix, bad, views = case_packed_decode(expect_bufs)
+    expected_out = call(_padding_instead(ix, bad), "reference")
+    bufs = Buffers(2)
+    call, ix, bad, views = case_packed_decode(bufs)
+    out = call(_with_bad(ix, bad), "helion")
+    bufs.assert_outside_untouched()
+    assert kdakit.take_errors() == {"packed_decode": 1}
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert_close(out, expected_out, 1e-5, "output")
+    assert_close(views[0], expect_bufs.bigs[0][0][EXTRA:EXTRA + SLOTS], 1e-5, "state")

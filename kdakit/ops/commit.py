@@ -264,7 +264,8 @@ def commit_ring(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, accept_l
     ``ring_g [slots, HV, L, K]`` (log-decay, float32), ``ring_beta [slots, HV, L]`` (float32),
     as ``mtp_verify`` writes them. With ``track_slots``/``track_steps`` the state after step
     ``track_steps[n]`` (0-based, when < accept_lens[n]) also goes to ``state[track_slots[n]]``.
-    Rows with slot ``<= null_block_id`` (or < 0) or ``accept_lens <= 0`` are skipped. Every
+    Rows with slot ``<= null_block_id`` (or < 0) or ``accept_lens <= 0`` are skipped, and so
+    are rows whose slot or track slot is past the pool (counted, ``kdakit.take_errors``). Every
     tensor may carry a leading layer dimension: all layers commit in one launch.
     """
     check_commit_ring(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, accept_lens, track_slots,
@@ -328,7 +329,9 @@ def commit_snapshots(state, snapshots, slot_indices, scratch_indices, accepted_s
     """For each request with a live slot and ``accepted_steps[n] >= 0``, copy snapshot
     ``snapshots[scratch_indices[n], accepted_steps[n]]`` into ``state[slot_indices[n]]``, and
     the conv windows ``intermediate_conv[i][row, step]`` into ``conv_states[i][slot]``.
-    ``snapshots=None`` commits the conv windows only (after a ring commit of the state)."""
+    ``snapshots=None`` commits the conv windows only (after a ring commit of the state). A
+    request whose slot, scratch row or step is outside any of these buffers is not committed
+    anywhere (counted, ``kdakit.take_errors``)."""
     N = slot_indices.shape[0] if slot_indices.dim() == 1 else -1
     for name, t in (("slot_indices", slot_indices), ("scratch_indices", scratch_indices),
                     ("accepted_steps", accepted_steps)):

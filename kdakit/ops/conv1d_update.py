@@ -5,7 +5,7 @@ channel's previous ``W-1`` inputs, oldest first, with any strides (a pool stored
 ``[slots, W-1, C]`` and passed as ``.transpose(1, 2)`` works); ``weight [C, W]``
 float32. ``out[i] = SiLU(conv)`` rounded to ``x``'s dtype, and ``conv_state[slot]``
 shifts left and appends ``x[i]`` in place. A slot < 0 is a padding row: zero
-output, no pool access.
+output, no pool access; so is a slot past the pool, which is counted (``kdakit.take_errors``).
 """
 from __future__ import annotations
 

@@ -7,7 +7,8 @@ place), L2 norm of q and k, gate (default, or safe with ``lower_bound``),
 place), and an optional gated RMSNorm over V. Post-conv values are rounded to
 ``qkv``'s dtype exactly as ``causal_conv1d_update`` stores them, so this kernel and
 the unfused chain ``causal_conv1d_update -> packed_decode -> gated_rmsnorm`` see the
-same numbers. A slot < 0 is a padding row: zero output, no pool access.
+same numbers. A slot < 0 is a padding row: zero output, no pool access; so is a slot past
+either pool, which is counted (``kdakit.take_errors``).
 """
 from __future__ import annotations
 

@@ -329,6 +329,8 @@ def mtp_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indic
     ``snapshots[row, t]`` or, with ``rings=(ring_k, ring_v, ring_g, ring_beta)``, the ring
     entries at ``[slot, :, t]``; windows to ``intermediate_conv[i][row, t]``. Returns
     ``out [N, T, HV, V]`` (optionally gated-RMSNormed with ``norm_gate``, ``norm_weight``).
+    A request whose slot is past the pool, or whose scratch row is outside a scratch buffer
+    the call writes, is a padding row (zero output, nothing written; counted, ``kdakit.take_errors``).
     """
     if out is None and q.dim() == 4 and v.dim() == 4:
         out = torch.empty(v.shape, dtype=q.dtype, device=q.device)

@@ -3,7 +3,7 @@
 ``mixed_qkv [B, 2*H*K + HV*V]`` (post-conv ``q | k | v``), raw gate ``a [B, HV*K]``,
 raw beta ``b [B, HV]``; ``state[slot_indices[i]]`` is updated in place and
 ``out [B, 1, HV, V]`` receives ``o``. A slot < 0 is a padding row: zero output,
-no pool access.
+no pool access; so is a slot past the pool, which is counted (``kdakit.take_errors``).
 """
 from __future__ import annotations
 

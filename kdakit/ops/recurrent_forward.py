@@ -5,7 +5,8 @@ Inputs are one flattened batch: ``q, k [1, T, H, K]``, ``v [1, T, HV, V]``,
 ``beta [1, T, HV]`` (β, or its logit), split into ``N`` sequences by ``cu_seqlens``.
 
 Slots (``state [slots, HV, V, K]``, V-major; a sequence whose starting slot is < 0 is
-a padding row: zero outputs and states, no pool access):
+a padding row: zero outputs and states, no pool access; so is one with a slot past the pool,
+counted by ``kdakit.take_errors``):
 - 1-D ``slot_indices [N]``: sequence ``n`` starts from ``state[slot_indices[n]]`` and
   its final state goes back there (``write_final_state``).
 - 2-D ``slot_indices [N, T_max]`` (fla's speculative serving path): sequence ``n``
