@@ -24,20 +24,24 @@ SLOTS, SCRATCH = 5, 4
 class Buffers:
     """Views into poisoned larger buffers, and the check that nothing outside them changed."""
 
-    def __init__(self, seed):
+    def __init__(self, seed, device="cpu"):
         self.gen = torch.Generator().manual_seed(seed)
+        self.device = device
         self.bigs = []
 
     def rnd(self, *shape, s=0.5):
-        return torch.randn(*shape, generator=self.gen) * s
+        return (torch.randn(*shape, generator=self.gen) * s).to(self.device)
+
+    def idx(self, *rows):
+        return torch.tensor(rows, dtype=torch.int32, device=self.device)
 
     def view(self, *shape, s=0.5, fill=None, dim=0):
         """A random (or ``fill``) tensor of ``shape``: the middle of a buffer poisoned along ``dim``."""
         big_shape = list(shape)
         big_shape[dim] += 2 * EXTRA
-        big = torch.full(big_shape, SENTINEL)
+        big = torch.full(big_shape, SENTINEL, device=self.device)
         view = big.narrow(dim, EXTRA, shape[dim])
-        view.copy_(self.rnd(*shape, s=s) if fill is None else torch.full(shape, fill))
+        view.copy_(self.rnd(*shape, s=s) if fill is None else torch.full(shape, fill, device=self.device))
         self.bigs.append((big, dim, shape[dim]))
         return view
 
@@ -45,10 +49,6 @@ class Buffers:
         for big, dim, n in self.bigs:
             for part in (big.narrow(dim, 0, EXTRA), big.narrow(dim, EXTRA + n, EXTRA)):
                 assert torch.equal(part, torch.full_like(part, SENTINEL)), "memory outside a view changed"
-
-
-def idx(*values):
-    return torch.tensor(values, dtype=torch.int32)
 
 
 # ----------------------------------------------------------------------------
@@ -63,7 +63,7 @@ def case_packed_decode(b):
 
     def call(ix, backend, full_checks=None):
         return kdakit.packed_decode(*inputs.values(), state, ix["slots"], backend=backend, full_checks=full_checks)
-    return call, dict(slots=idx(1, 0, 3)), ("slots", 1, SLOTS), [state]
+    return call, dict(slots=b.idx(1, 0, 3)), ("slots", 1, SLOTS), [state]
 
 
 def case_packed_decode_sglang(b):
@@ -73,11 +73,11 @@ def case_packed_decode_sglang(b):
     state = b.view(SLOTS, HV, V, K)
 
     def call(ix, backend, full_checks=None):
-        out = torch.empty(B, 1, HV, V)  # the drop-in takes no backend: KDAKIT_BACKEND picks it
+        out = torch.empty(B, 1, HV, V, device=b.device)  # the drop-in takes no backend: KDAKIT_BACKEND picks it
         sglang.fused_recurrent_kda_packed_decode(*inputs.values(), K ** -0.5, state, out, ix["slots"],
                                                  use_qk_l2norm_in_kernel=True)
         return out
-    return call, dict(slots=idx(1, 0, 3)), ("slots", 0, SLOTS + 1), [state]
+    return call, dict(slots=b.idx(1, 0, 3)), ("slots", 0, SLOTS + 1), [state]
 
 
 def case_causal_conv1d_update(b):
@@ -87,7 +87,7 @@ def case_causal_conv1d_update(b):
 
     def call(ix, backend, full_checks=None):
         return kdakit.causal_conv1d_update(x, conv, weight, ix["slots"], backend=backend, full_checks=full_checks)
-    return call, dict(slots=idx(4, 2, 0)), ("slots", 2, SLOTS), [conv]
+    return call, dict(slots=b.idx(4, 2, 0)), ("slots", 2, SLOTS), [conv]
 
 
 def case_fused_decode(b):
@@ -101,7 +101,7 @@ def case_fused_decode(b):
     def call(ix, backend, full_checks=None):
         return kdakit.fused_decode(*inputs.values(), conv, *rest.values(), state, ix["slots"], backend=backend,
                                    full_checks=full_checks, **norm)
-    return call, dict(slots=idx(0, 3, 2)), ("slots", 1, SLOTS), [conv, state]
+    return call, dict(slots=b.idx(0, 3, 2)), ("slots", 1, SLOTS), [conv, state]
 
 
 def _verify_case(b, *, mode, conv, bad):
@@ -128,7 +128,7 @@ def _verify_case(b, *, mode, conv, bad):
         return kdakit.mtp_verify(*tokens.values(), state, ix["slots"], ix["rows"], lower_bound=-2.0, backend=backend,
                                  full_checks=full_checks, **kw)
     bad_index = {"slot": ("slots", 1, SLOTS), "row": ("rows", 1, SCRATCH), "negative-row": ("rows", 2, -1)}[bad]
-    return call, dict(slots=idx(3, 0, 1), rows=idx(2, 0, 3)), bad_index, [state] + updated
+    return call, dict(slots=b.idx(3, 0, 1), rows=b.idx(2, 0, 3)), bad_index, [state] + updated
 
 
 def case_commit_snapshots(b, bad):
@@ -143,7 +143,7 @@ def case_commit_snapshots(b, bad):
                                 intermediate_conv=(inter,), backend=backend, full_checks=full_checks)
     bad_index = {"slot": ("slots", 0, SLOTS), "row": ("rows", 2, SCRATCH), "negative-row": ("rows", 1, -1),
                  "step": ("steps", 1, L)}[bad]
-    return call, dict(slots=idx(2, 4, 0), rows=idx(1, 3, 0), steps=idx(2, 0, 1)), bad_index, [state, conv]
+    return call, dict(slots=b.idx(2, 4, 0), rows=b.idx(1, 3, 0), steps=b.idx(2, 0, 1)), bad_index, [state, conv]
 
 
 def case_commit_ring(b, bad, layered=False):
@@ -157,14 +157,14 @@ def case_commit_ring(b, bad, layered=False):
     def call(ix, backend, full_checks=None):
         kdakit.commit_ring(state, *rings, ix["slots"], ix["accept"], track_slots=ix["track"],
                            track_steps=ix["track_steps"], backend=backend, full_checks=full_checks)
-    ix = dict(slots=idx(1, 3, 0), accept=idx(2, 3, 1), track=idx(4, -1, 2), track_steps=idx(0, 1, 0))
+    ix = dict(slots=b.idx(1, 3, 0), accept=b.idx(2, 3, 1), track=b.idx(4, -1, 2), track_steps=b.idx(0, 1, 0))
     bad_index = {"slot": ("slots", 1, SLOTS), "track-slot": ("track", 0, SLOTS)}[bad]
     return call, ix, bad_index, [state]
 
 
 def case_recurrent_forward(b, per_token=False):
     T, N = 5, 3
-    cu = torch.tensor([0, 2, 3, 5], dtype=torch.int32)
+    cu = b.idx(0, 2, 3, 5)
     tokens = dict(q=b.rnd(1, T, H, K), k=b.rnd(1, T, H, K), v=b.rnd(1, T, HV, V), g=b.rnd(1, T, HV, K),
                   beta=b.rnd(1, T, HV))
     gate = dict(A_log=b.rnd(HV), dt_bias=b.rnd(HV * K))
@@ -174,9 +174,9 @@ def case_recurrent_forward(b, per_token=False):
         return kdakit.recurrent_forward(*tokens.values(), state, ix["slots"], cu_seqlens=cu, beta_is_logit=True,
                                         backend=backend, full_checks=full_checks, **gate)
     if per_token:  # a slot written after token 1 of sequence 2 is past the pool
-        return call, dict(slots=torch.tensor([[0, 1], [4, -1], [3, 2]], dtype=torch.int32)), \
+        return call, dict(slots=b.idx([0, 1], [4, -1], [3, 2])), \
             ("slots", (2, 1), SLOTS), [state]
-    return call, dict(slots=idx(2, 0, 4)), ("slots", 0, SLOTS), [state]
+    return call, dict(slots=b.idx(2, 0, 4)), ("slots", 0, SLOTS), [state]
 
 
 CASES = [  # (op counted, case builder, the bad row's index in the output's batch dim, or None)

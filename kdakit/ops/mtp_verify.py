@@ -27,7 +27,7 @@ from ..backends import register, select
 from .gated_rmsnorm import gated_rmsnorm_after
 from .launch import CachedKernel, pdl_available
 from .ring_verify import ring_verify
-from .triton_math import count_bad_row, delta_rule_update, index_in, kda_log_decay, l2_normalize, mask_if
+from .triton_math import count_bad_row, delta_rule_update, kda_log_decay, l2_normalize, mask_if, verify_request
 from .verify_conv import verify_conv
 
 
@@ -57,7 +57,8 @@ def _mtp_verify_kernel(
     T: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
     SNAPSHOT: tl.constexpr, RING: tl.constexpr, SAFE_GATE: tl.constexpr,
-    WAIT_FOR_TOKENS: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr, ERR_INDEX: tl.constexpr,
+    WAIT_FOR_TOKENS: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr, CHECK_ROWS: tl.constexpr,
+    ERR_INDEX: tl.constexpr,
 ):
     # One program: BLOCK_V state rows of one (request, value head), carried in registers
     # through the T steps; each step's inputs are loaded while the previous step computes
@@ -74,10 +75,8 @@ def _mtp_verify_kernel(
     offs_v = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
     mask_k = offs_k < K
     mask_v = offs_v < V
-    slot = tl.load(slot_indices + i_n).to(tl.int64)
-    row = tl.load(scratch_indices + i_n).to(tl.int64)
     # Padding rows, and indices past their buffers: zero output, nothing else read or written.
-    live = (slot >= 0) & (slot < num_slots) & index_in(row, num_rows)
+    slot, row, live = verify_request(slot_indices, scratch_indices, i_n, num_slots, num_rows, CHECK_ROWS)
     writes_head = live & (i_v == 0)
     writes_key_head = writes_head & (i_hv % G == 0)
     mask_s = mask_if(mask_v[:, None] & mask_k[None, :], live)
@@ -167,7 +166,8 @@ def mtp_verify_triton(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratc
     pdl = pdl_available(q.device)
     conv = conv_weights is not None
     # Every kernel of the verify treats the same rows as padding: slots past the pool, and
-    # scratch rows outside every scratch buffer the call writes (-1: none); one kernel counts them.
+    # scratch rows outside every scratch buffer the call writes (-1: none, rows not checked);
+    # one kernel counts them.
     bounds = (state.shape[0], scratch_rows(snapshots if rings is None else None, intermediate_conv))
     if conv:  # its own kernel first; the recurrence reads the post-conv tokens
         q, k, v = verify_conv(q, k, v, conv_weights, conv_bias, conv_states, intermediate_conv, slot_indices,
@@ -210,7 +210,7 @@ def _launch_recurrence(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scrat
         dict(T=T, H=H, HV=HV, K=K, V=V, BLOCK_K=triton.next_power_of_2(K), BLOCK_V=block_v,
              SNAPSHOT=snapshots is not None and rings is None, RING=rings is not None,
              SAFE_GATE=lower_bound is not None, WAIT_FOR_TOKENS=conv and pdl, LAUNCH_DEPENDENTS=norm and pdl,
-             ERR_INDEX=errors.INDEX["mtp_verify"]),
+             CHECK_ROWS=bounds[1] >= 0, ERR_INDEX=errors.INDEX["mtp_verify"]),
         num_warps=num_warps, num_stages=1, launch_pdl=conv and pdl)
 
 

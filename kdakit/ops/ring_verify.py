@@ -27,7 +27,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .. import errors
 from .launch import CachedKernel
-from .triton_math import count_bad_row, index_in, kda_log_decay, mask_if
+from .triton_math import count_bad_row, kda_log_decay, mask_if, verify_request
 
 
 @triton.jit
@@ -37,7 +37,8 @@ def _ring_verify_steps_kernel(
     num_slots, num_rows, scale, lower_bound,
     T: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, SAFE_GATE: tl.constexpr, FACTORED: tl.constexpr,
-    WAIT_FOR_TOKENS: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr, ERR_INDEX: tl.constexpr,
+    WAIT_FOR_TOKENS: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr, CHECK_ROWS: tl.constexpr,
+    ERR_INDEX: tl.constexpr,
 ):
     # One program per (request, value head): x and M (v enters in the state kernel). The k
     # ring has one writer per key head: the group's first value head.
@@ -50,10 +51,8 @@ def _ring_verify_steps_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     mask_t = offs_t < T
     mask_tk = mask_t[:, None] & (offs_k < K)[None, :]
-    slot = tl.load(slot_indices + i_n).to(tl.int64)
-    row = tl.load(scratch_indices + i_n).to(tl.int64)
     # Padding rows, and indices past their buffers (as every kernel of the verify decides).
-    live = (slot >= 0) & (slot < num_slots) & index_in(row, num_rows)
+    slot, row, live = verify_request(slot_indices, scratch_indices, i_n, num_slots, num_rows, CHECK_ROWS)
     count_bad_row(errors, (slot >= 0) & ~live & (i_hv == 0), ERR_INDEX)
     bias = tl.load(dt_bias + i_hv * K + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
     A_log_h = tl.load(A_log + i_hv).to(tl.float32)
@@ -136,6 +135,7 @@ def _ring_verify_state_kernel(
     T: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     DOT_T: tl.constexpr, BLOCK_V: tl.constexpr, K_CHUNK: tl.constexpr, NUM_STAGES: tl.constexpr,
     DOT_PRECISION: tl.constexpr, WAIT_FOR_STEPS: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
+    CHECK_ROWS: tl.constexpr,
 ):
     # One program: BLOCK_V state rows of one (request, value head); out = S_0 x^T + v^T M^T,
     # and these rows of the v ring. DOT_T >= 16 steps (a dot's smallest side); the steps
@@ -146,10 +146,8 @@ def _ring_verify_state_kernel(
     offs_t = tl.arange(0, DOT_T)
     offs_v = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
     mask_t, mask_v = offs_t < T, offs_v < V
-    slot = tl.load(slot_indices + i_n).to(tl.int64)
-    row = tl.load(scratch_indices + i_n).to(tl.int64)
     # Padding rows, and indices past their buffers: zero output, nothing of the pool read.
-    live = (slot >= 0) & (slot < num_slots) & index_in(row, num_rows)
+    slot, row, live = verify_request(slot_indices, scratch_indices, i_n, num_slots, num_rows, CHECK_ROWS)
     head = i_n.to(tl.int64) * HV + i_hv
     state_rows = state + slot * stride_state_slot + i_hv * V * K + offs_v[:, None] * K
     x_head = x_rows + (head * T + offs_t)[:, None] * K
@@ -224,7 +222,8 @@ def ring_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indi
          *bounds, float(scale), float(lower_bound) if lower_bound is not None else 0.0),
         dict(T=T, H=H, HV=HV, K=K, BLOCK_T=triton.next_power_of_2(T), BLOCK_K=triton.next_power_of_2(K),
              SAFE_GATE=lower_bound is not None, FACTORED=factored_pair_sums(T, lower_bound),
-             WAIT_FOR_TOKENS=wait_for_tokens and pdl, LAUNCH_DEPENDENTS=pdl, ERR_INDEX=errors.INDEX["mtp_verify"]),
+             WAIT_FOR_TOKENS=wait_for_tokens and pdl, LAUNCH_DEPENDENTS=pdl, CHECK_ROWS=bounds[1] >= 0,
+             ERR_INDEX=errors.INDEX["mtp_verify"]),
         num_warps=steps_warps(T), num_stages=1, launch_pdl=wait_for_tokens and pdl)
     block_v, num_warps = STATE_TILE
     block_v = max(16, min(block_v, triton.next_power_of_2(V)))
@@ -234,6 +233,7 @@ def ring_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indi
          ring_v.shape[2], *bounds),
         dict(T=T, HV=HV, K=K, V=V, DOT_T=max(16, triton.next_power_of_2(T)), BLOCK_V=block_v,
              K_CHUNK=max(16, min(K_CHUNK, triton.next_power_of_2(K))), NUM_STAGES=NUM_STAGES,
-             DOT_PRECISION=DOT_PRECISION, WAIT_FOR_STEPS=pdl, LAUNCH_DEPENDENTS=launch_dependents and pdl),
+             DOT_PRECISION=DOT_PRECISION, WAIT_FOR_STEPS=pdl, LAUNCH_DEPENDENTS=launch_dependents and pdl,
+             CHECK_ROWS=bounds[1] >= 0),
         num_warps=num_warps if block_v >= 64 else 4, num_stages=1, launch_pdl=pdl)
     return out

@@ -16,9 +16,18 @@ def mask_if(mask, flag):
 
 
 @triton.jit
-def index_in(index, count):
-    """``0 <= index < count``, or True when ``count < 0`` (the index has no buffer in this call)."""
-    return (count < 0) | ((index >= 0) & (index < count))
+def verify_request(slot_indices, scratch_indices, i_n, num_slots, num_rows, CHECK_ROWS: tl.constexpr):
+    """Request ``i_n``'s slot and scratch row, and whether it is live: slot in ``[0, num_slots)``
+    and, with CHECK_ROWS (the call writes a scratch buffer), row in ``[0, num_rows)``. Every
+    kernel of a verify decides it so; without CHECK_ROWS the row is not even loaded (0)."""
+    slot = tl.load(slot_indices + i_n).to(tl.int64)
+    live = (slot >= 0) & (slot < num_slots)
+    if CHECK_ROWS:
+        row = tl.load(scratch_indices + i_n).to(tl.int64)
+        live = live & (row >= 0) & (row < num_rows)
+    else:
+        row = slot * 0
+    return slot, row, live
 
 
 @triton.jit

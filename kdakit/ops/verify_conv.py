@@ -16,7 +16,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
 from .launch import CachedKernel
-from .triton_math import index_in, mask_if
+from .triton_math import mask_if, verify_request
 
 
 @triton.jit
@@ -107,9 +107,7 @@ def _verify_conv_kernel(
     i_c, i_n, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if LAUNCH_DEPENDENTS:  # the recurrence may start loading its state tiles now
         gdc_launch_dependents()
-    slot = tl.load(slot_indices + i_n).to(tl.int64)
-    row = tl.load(scratch_indices + i_n).to(tl.int64)
-    live = (slot >= 0) & (slot < num_slots) & index_in(row, num_rows)
+    slot, row, live = verify_request(slot_indices, scratch_indices, i_n, num_slots, num_rows, True)
     n64 = i_n.to(tl.int64)
     if part == 0:
         _conv_part(x_q, cs_q, w_q, bias_q, ic_q, post_q, s_csq_slot, s_csq_c, s_csq_w, s_icq_row, s_icq_t,
