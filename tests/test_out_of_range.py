@@ -288,9 +288,21 @@ def test_take_errors_sums_ops_and_resets():
     assert kdakit.take_errors() == {}
 
 
-def test_helion_packed_decode(monkeypatch):
+@pytest.mark.parametrize("mode", ["eager", "generated-triton-code"])
+def test_helion_packed_decode(monkeypatch, mode):
     pytest.importorskip("helion")
-    monkeypatch.setenv("HELION_INTERPRET", "1")
+    if mode == "eager":  # Helion's reference mode
+        monkeypatch.setenv("HELION_INTERPRET", "1")
+    else:  # the Triton code Helion generates, in Triton's interpreter (no libdevice there)
+        import triton.language as tl
+        import triton.language.extra.libdevice as libdevice
+        monkeypatch.delenv("HELION_INTERPRET", raising=False)
+        monkeypatch.setattr(libdevice, "exp", lambda x: tl.exp(x), raising=False)
+        from kdakit.ops import packed_decode as module
+        from kdakit.ops.packed_decode_helion import packed_decode_helion
+        select = module.select  # the public entry accepts the helion backend only with HELION_INTERPRET=1
+        monkeypatch.setattr(module, "select", lambda op, device, backend=None: (
+            ("helion", packed_decode_helion) if backend == "helion" else select(op, device, backend)))
     kdakit.take_errors()
     expect_bufs = Buffers(2)
     call, ix, bad, views = case_packed_decode(expect_bufs)
