@@ -150,7 +150,8 @@ def case_commit_ring(b, bad, layered=False):
     L = 3
     lead = (2,) if layered else ()  # two layers: the slot dim is dim 1, poisoned in every layer
     state = b.view(*lead, SLOTS, HV, V, K, dim=len(lead))
-    rings = tuple(b.view(*lead, SLOTS, *shape, dim=len(lead)) for shape in ((H, L, K), (HV, L, V), (HV, L, K), (HV, L)))
+    rings = tuple(b.view(*lead, SLOTS, *shape, dim=len(lead))
+                  for shape in ((H, L, K), (HV, L, V), (HV, L, K), (HV, L)))
     rings[2].copy_(-rings[2].abs())  # log-decays
     rings[3].copy_(torch.sigmoid(rings[3]))  # betas
 
@@ -174,12 +175,11 @@ def case_recurrent_forward(b, per_token=False):
         return kdakit.recurrent_forward(*tokens.values(), state, ix["slots"], cu_seqlens=cu, beta_is_logit=True,
                                         backend=backend, full_checks=full_checks, **gate)
     if per_token:  # a slot written after token 1 of sequence 2 is past the pool
-        return call, dict(slots=b.idx([0, 1], [4, -1], [3, 2])), \
-            ("slots", (2, 1), SLOTS), [state]
+        return call, dict(slots=b.idx([0, 1], [4, -1], [3, 2])), ("slots", (2, 1), SLOTS), [state]
     return call, dict(slots=b.idx(2, 0, 4)), ("slots", 0, SLOTS), [state]
 
 
-CASES = [  # (op counted, case builder, the bad row's index in the output's batch dim, or None)
+CASES = [  # (op counted, case builder, the index of the bad row's outputs, or None: no output)
     pytest.param("packed_decode", case_packed_decode, 1, id="packed_decode-slot"),
     pytest.param("packed_decode", case_packed_decode_sglang, 0, id="sglang-packed-decode-slot"),
     pytest.param("causal_conv1d_update", case_causal_conv1d_update, 2, id="causal_conv1d_update-slot"),
@@ -197,8 +197,8 @@ CASES = [  # (op counted, case builder, the bad row's index in the output's batc
     pytest.param("commit_ring", lambda b: case_commit_ring(b, "track-slot"), None, id="commit_ring-track-slot"),
     pytest.param("commit_ring", lambda b: case_commit_ring(b, "slot", layered=True), None,
                  id="commit_ring-layered-slot"),
-    pytest.param("recurrent_forward", case_recurrent_forward, None, id="recurrent_forward-slot"),
-    pytest.param("recurrent_forward", lambda b: case_recurrent_forward(b, per_token=True), None,
+    pytest.param("recurrent_forward", case_recurrent_forward, (0, slice(0, 2)), id="recurrent_forward-slot"),
+    pytest.param("recurrent_forward", lambda b: case_recurrent_forward(b, per_token=True), (0, slice(3, 5)),
                  id="recurrent_forward-per-token-slot"),
 ]
 
