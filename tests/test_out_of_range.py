@@ -294,7 +294,11 @@ def test_helion_packed_decode(monkeypatch, mode):
     if mode == "eager":  # Helion's reference mode
         monkeypatch.setenv("HELION_INTERPRET", "1")
     else:  # the Triton code Helion generates, in Triton's interpreter (no libdevice there)
+        import triton
         import triton.language as tl
+        if tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 9):
+            pytest.skip("Helion's generated code fails in Triton 3.9's interpreter before any of this "
+                        "(too many indices for tensor of rank 0), as in test_packed_decode_helion.py")
         import triton.language.extra.libdevice as libdevice
         monkeypatch.delenv("HELION_INTERPRET", raising=False)
         monkeypatch.setattr(libdevice, "exp", lambda x: tl.exp(x), raising=False)
