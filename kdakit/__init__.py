@@ -1,7 +1,8 @@
 """kdakit: GPU inference kernels for Kimi Delta Attention (KDA) serving."""
 __version__ = "0.2.0"
 
-from . import backends, contracts, reference  # noqa: E402
+from . import backends, contracts, errors, reference  # noqa: E402
+from .errors import take_errors  # noqa: E402
 from .ops.commit import commit_ring, commit_snapshots  # noqa: E402
 from .ops.conv1d_update import causal_conv1d_update  # noqa: E402
 from .ops.conv1d_varlen import causal_conv1d_varlen  # noqa: E402
@@ -14,6 +15,6 @@ from .ops.tree_commit import commit_tree_ring  # noqa: E402
 from .ops.tree_verify import tree_verify  # noqa: E402
 from . import custom_ops  # noqa: E402  (torch.ops.kdakit.*: the public entries dispatch through them)
 
-__all__ = ["__version__", "backends", "contracts", "reference", "packed_decode", "fused_decode",
-           "causal_conv1d_update", "causal_conv1d_varlen", "gated_rmsnorm", "mtp_verify", "commit_ring",
-           "commit_snapshots", "recurrent_forward", "tree_verify", "commit_tree_ring"]
+__all__ = ["__version__", "backends", "contracts", "errors", "reference", "take_errors", "packed_decode",
+           "fused_decode", "causal_conv1d_update", "causal_conv1d_varlen", "gated_rmsnorm", "mtp_verify",
+           "commit_ring", "commit_snapshots", "recurrent_forward", "tree_verify", "commit_tree_ring"]

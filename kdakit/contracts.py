@@ -114,6 +114,16 @@ def check_slot_values(name: str, slot_indices: torch.Tensor, num_slots: int, *, 
         raise ValueError(f"`{name}` holds the same live slot twice in one batch; each request needs its own slot.")
 
 
+def check_rows_in_range(name: str, rows: torch.Tensor, num_rows: int, what: str) -> None:
+    """Data check (one sync): every row index of live requests in ``[0, num_rows)``."""
+    if rows.numel() == 0:
+        return
+    low, top = int(rows.min()), int(rows.max())
+    if not (low >= 0 and top < num_rows):
+        raise ValueError(f"`{name}` holds {what} {low if low < 0 else top} for a live request, out of range "
+                         f"for buffers of {num_rows} {what}s.")
+
+
 def check_finite(full_checks, **params) -> None:
     if not full_checks_enabled(full_checks):
         return

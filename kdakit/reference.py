@@ -6,12 +6,17 @@ function runs on any device. Pool-level functions update the pools they are
 given in place, exactly where the op documents it, and nothing else.
 
 Layouts (SPEC.md): state ``[slots, HV, V, K]`` V-major; conv window
-``[slots, C, W-1]`` oldest first; a slot index ``< 0`` is a padding row.
+``[slots, C, W-1]`` oldest first; a slot index ``< 0`` is a padding row. An index
+outside its buffer (a slot past the pool, a scratch row or track slot outside its
+buffer) makes a padding row too, as in the kernels, and is counted on the op's error
+counter (``kdakit.errors``).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from . import errors
 
 L2_EPS = 1e-6
 
@@ -111,10 +116,22 @@ def _default_scale(scale, K):
     return K ** -0.5 if scale is None else scale
 
 
-def _live(slot_indices):
-    """Positions of the rows that are not padding, and their slots."""
-    rows = torch.nonzero(slot_indices >= 0).flatten()
+def _live(slot_indices, num_slots, op, inside=None):
+    """Positions of the rows that are not padding, and their slots. A row whose slot is past
+    the pool (``num_slots``), or whose other indices are not ``inside``, is padding too,
+    counted on ``op``'s error counter."""
+    claimed = slot_indices >= 0
+    ok = slot_indices < num_slots
+    if inside is not None:
+        ok = ok & inside
+    errors.count(op, claimed & ~ok)
+    rows = torch.nonzero(claimed & ok).flatten()
     return rows, slot_indices[rows].long()
+
+
+def _in_range(index, count):
+    """``0 <= index < count`` elementwise."""
+    return (index >= 0) & (index < count)
 
 
 # ----------------------------------------------------------------------------
@@ -126,7 +143,7 @@ def packed_decode(mixed_qkv, a, b, A_log, dt_bias, state, slot_indices, out, *,
     _, HV, V, K = state.shape
     H = infer_packed_heads(mixed_qkv.shape[-1], HV, V, K)
     cd = compute_dtype
-    rows, slots = _live(slot_indices)
+    rows, slots = _live(slot_indices, state.shape[0], "packed_decode")
     q, k, v = split_packed_qkv(mixed_qkv[rows].to(cd), H, K, HV, V)
     q, k = prepare_qk(q, k, HV, _default_scale(scale, K), use_qk_l2norm)
     g = kda_gate(a[rows].to(cd).view(-1, HV, K), A_log.to(cd), dt_bias.to(cd).view(HV, K), lower_bound)
@@ -140,7 +157,7 @@ def packed_decode(mixed_qkv, a, b, A_log, dt_bias, state, slot_indices, out, *,
 def causal_conv1d_update(x, conv_state, weight, slot_indices, out, *, bias=None, compute_dtype=torch.float32):
     """Short conv of one token per request with SiLU; ``conv_state[slot]`` shifted in place."""
     cd = compute_dtype
-    rows, slots = _live(slot_indices)
+    rows, slots = _live(slot_indices, conv_state.shape[0], "causal_conv1d_update")
     y, window = conv_step(x[rows].to(cd), conv_state[slots].to(cd), weight.to(cd),
                           None if bias is None else bias.to(cd), activation_dtype=out.dtype)
     conv_state[slots] = window.to(conv_state.dtype)
@@ -196,7 +213,7 @@ def fused_decode(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, state, slot
     """Conv update + packed decode (L2 norm on) + optional gated RMSNorm, for one token."""
     cd = compute_dtype
     _, HV, V, K = state.shape
-    rows, slots = _live(slot_indices)
+    rows, slots = _live(slot_indices, min(state.shape[0], conv_state.shape[0]), "fused_decode")
     mixed, window = conv_step(qkv[rows].to(cd), conv_state[slots].to(cd), conv_weight.to(cd),
                               None if conv_bias is None else conv_bias.to(cd), activation_dtype=qkv.dtype)
     H = infer_packed_heads(qkv.shape[-1], HV, V, K)
@@ -243,13 +260,23 @@ def recurrent_forward(q, k, v, g, beta, state, slot_indices, out, *, cu_seqlens=
     scale = _default_scale(scale, K)
     bounds = cu_seqlens.tolist()
     per_token_slots = slot_indices.dim() == 2
+    num_slots = state.shape[0]
+    bad = 0
     for n in range(len(bounds) - 1):
         if per_token_slots:
+            cols = slot_indices.shape[1]
             start = 0 if num_accepted_tokens is None else int(num_accepted_tokens[n]) - 1
-            slot = int(slot_indices[n, start])
+            slot = int(slot_indices[n, start]) if 0 <= start < cols else num_slots
         else:
             slot = int(slot_indices[n])
-        if slot < 0 and padding_rows:
+        # Slots past the pool (the start, or any slot the sequence writes): a padding row, counted.
+        in_pool = slot < num_slots
+        if per_token_slots and write_final_state:
+            length = bounds[n + 1] - bounds[n]
+            in_pool = in_pool and length <= cols and all(int(s) < num_slots for s in slot_indices[n, :length])
+        used = slot >= 0 or not padding_rows
+        bad += used and not in_pool
+        if not (used and in_pool):
             out[0, bounds[n]:bounds[n + 1]] = 0
             if token_states is not None:
                 token_states[bounds[n]:bounds[n + 1]] = 0
@@ -273,6 +300,7 @@ def recurrent_forward(q, k, v, g, beta, state, slot_indices, out, *, cu_seqlens=
             state[slot] = S.to(state.dtype)
         if final_states is not None:
             final_states[n] = S.to(final_states.dtype)
+    errors.count("recurrent_forward", torch.ones(bad, dtype=torch.bool, device=state.device))
     return out
 
 
@@ -296,7 +324,10 @@ def mtp_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indic
     scale = _default_scale(scale, K)
     act = q.dtype
     out.zero_()
-    rows, slots = _live(slot_indices)
+    scratch_bufs = ([snapshots] if rings is None and snapshots is not None else []) + (
+        list(intermediate_conv) if conv_weights is not None else [])
+    inside = _in_range(scratch_indices, min(t.shape[0] for t in scratch_bufs)) if scratch_bufs else None
+    rows, slots = _live(slot_indices, state.shape[0], "mtp_verify", inside)
     if len(rows) == 0:
         return out
     scratch = scratch_indices[rows].long()
@@ -336,8 +367,15 @@ def mtp_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indic
 def commit_snapshots(state, snapshots, slot_indices, scratch_indices, accepted_steps, *,
                      conv_states=None, intermediate_conv=None):
     """For each request with ``accepted_steps[n] >= 0`` and a live slot: copy snapshot
-    ``[row, s]`` (state, and conv windows when given) into its slot."""
-    keep = torch.nonzero((slot_indices >= 0) & (accepted_steps >= 0)).flatten()
+    ``[row, s]`` (state, and conv windows when given) into its slot. A row whose slot, row or
+    step is outside any pool or scratch buffer of the commit is not committed (counted)."""
+    dst = ([state] if snapshots is not None else []) + list(conv_states or ())
+    src = ([snapshots] if snapshots is not None else []) + list(intermediate_conv or ())
+    claimed = (slot_indices >= 0) & (accepted_steps >= 0)
+    inside = ((slot_indices < min(t.shape[0] for t in dst)) & _in_range(scratch_indices, min(t.shape[0] for t in src))
+              & (accepted_steps < min(t.shape[1] for t in src)))
+    errors.count("commit_snapshots", claimed & ~inside)
+    keep = torch.nonzero(claimed & inside).flatten()
     slots = slot_indices[keep].long()
     scratch = scratch_indices[keep].long()
     steps = accepted_steps[keep].long()
@@ -350,17 +388,26 @@ def commit_snapshots(state, snapshots, slot_indices, scratch_indices, accepted_s
 
 def commit_ring(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, accept_lens, *,
                 track_slots=None, track_steps=None, use_qk_l2norm=True, null_block_id=-1,
-                compute_dtype=torch.float32):
+                compute_dtype=torch.float32, count_errors=True):
     """Fold the accepted prefix (``accept_lens[n]`` steps, bonus token included) from the
     rings into ``state[slot]`` in place. When ``track_slots`` is given and
     ``0 <= track_steps[n] < accept_lens[n]``, the state after step ``track_steps[n]``
     also goes to ``state[track_slots[n]]``. Rows with slot ``<= null_block_id`` or
-    ``accept_lens <= 0`` are skipped."""
+    ``accept_lens <= 0`` are skipped, and so are rows whose slot or (used) track slot is past
+    the pool (counted when ``count_errors``). At most the rings' ``L`` steps are folded."""
     cd = compute_dtype
     HV, K = ring_g.shape[1], ring_g.shape[3]
+    num_slots, ring_len = state.shape[0], ring_g.shape[2]
+    bad = 0
     for n in range(slot_indices.shape[0]):
-        slot, steps = int(slot_indices[n]), int(accept_lens[n])
-        if slot <= null_block_id or slot < 0 or steps <= 0:
+        slot, steps = int(slot_indices[n]), min(int(accept_lens[n]), ring_len)
+        if slot <= null_block_id or slot < 0:
+            continue
+        track_slot = int(track_slots[n]) if track_slots is not None else -1
+        if slot >= num_slots or (track_slot > null_block_id and track_slot >= num_slots):
+            bad += 1
+            continue
+        if steps <= 0:
             continue
         S = state[slot].to(cd)
         track = int(track_steps[n]) if track_slots is not None else -1
@@ -371,9 +418,11 @@ def commit_ring(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, accept_l
             k_t = expand_to_value_heads(k_t, HV)
             _, S = delta_rule_step(S, torch.zeros_like(k_t), k_t, ring_v[slot, :, t].to(cd),
                                    ring_g[slot, :, t].to(cd), ring_beta[slot, :, t].to(cd))
-            if t == track and int(track_slots[n]) >= 0:
-                state[int(track_slots[n])] = S.to(state.dtype)
+            if t == track and track_slot > null_block_id and track_slot >= 0:
+                state[track_slot] = S.to(state.dtype)
         state[slot] = S.to(state.dtype)
+    if count_errors:
+        errors.count("commit_ring", torch.ones(bad, dtype=torch.bool, device=state.device))
     del K
 
 

@@ -12,19 +12,19 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import contracts, reference
+from .. import contracts, errors, reference
 from ..backends import register, select
 from .launch import CachedKernel
 from .mtp_verify import recurrence_tile
-from .triton_math import delta_rule_update, l2_normalize
+from .triton_math import count_bad_row, delta_rule_update, l2_normalize, mask_if
 
 
 @triton.jit
 def _load_ring_step(p_k, p_v, p_g, p_b, t, live, mask_k, mask_v, K: tl.constexpr, V: tl.constexpr):
     """Ring position t (float32): raw k, v, log-decay g, β; zeros where not ``live``."""
-    k_t = tl.load(p_k + t * K, mask=mask_k & live, other=0.0).to(tl.float32)
-    v_t = tl.load(p_v + t * V, mask=mask_v & live, other=0.0).to(tl.float32)
-    g_t = tl.load(p_g + t * K, mask=mask_k & live, other=0.0).to(tl.float32)
+    k_t = tl.load(p_k + t * K, mask=mask_if(mask_k, live), other=0.0).to(tl.float32)
+    v_t = tl.load(p_v + t * V, mask=mask_if(mask_v, live), other=0.0).to(tl.float32)
+    g_t = tl.load(p_g + t * K, mask=mask_if(mask_k, live), other=0.0).to(tl.float32)
     beta_t = tl.load(p_b + t, mask=live, other=0.0).to(tl.float32)
     return k_t, v_t, g_t, beta_t
 
@@ -56,7 +56,7 @@ def _fold_ring_steps(S, p_k, p_v, p_g, p_b, num_steps, mask_k, mask_v, track_ptr
                                                     K, V)
         S = delta_rule_update(S, k_t, v_t, g_t, beta_t)
         if TRACK:
-            tl.store(track_ptrs, S.to(track_ptrs.dtype.element_ty), mask=track_mask & (t == track_step))
+            tl.store(track_ptrs, S.to(track_ptrs.dtype.element_ty), mask=mask_if(track_mask, t == track_step))
         if USE_QK_L2NORM:
             k_n = l2_normalize(k_n)
         t += 1
@@ -65,12 +65,12 @@ def _fold_ring_steps(S, p_k, p_v, p_g, p_b, num_steps, mask_k, mask_v, track_ptr
 
 @triton.jit
 def _commit_ring_kernel(
-    state, ring_k, ring_v, ring_g, ring_beta, slot_indices, accept_lens, track_slots, track_steps,
+    state, ring_k, ring_v, ring_g, ring_beta, slot_indices, accept_lens, track_slots, track_steps, errors,
     s_state_layer, s_state_slot, s_rk_layer, s_rk_slot, s_rv_layer, s_rv_slot, s_rg_layer, s_rg_slot,
-    s_rb_layer, s_rb_slot, ring_len, null_block_id,
+    s_rb_layer, s_rb_slot, ring_len, null_block_id, num_slots,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, TILES: tl.constexpr, STEPS_AHEAD: tl.constexpr,
-    USE_QK_L2NORM: tl.constexpr, TRACK: tl.constexpr,
+    USE_QK_L2NORM: tl.constexpr, TRACK: tl.constexpr, ERR_INDEX: tl.constexpr,
 ):
     # Same tile shape and the same device functions as the verify kernel, so the
     # replayed state rounds exactly like the verify's snapshot of the same step. A program
@@ -85,54 +85,65 @@ def _commit_ring_kernel(
     mask_k = offs_k < K
     slot = tl.load(slot_indices + i_n).to(tl.int64)
     steps = tl.load(accept_lens + i_n).to(tl.int32)
-    active = (slot > null_block_id) & (slot >= 0) & (steps > 0)
-    num_steps = tl.minimum(tl.where(active, steps, 0), ring_len)  # never past the ring, even unchecked
+    claimed = (slot > null_block_id) & (slot >= 0)
+    in_pool = slot < num_slots
     head = state + layer * s_state_layer + i_hv * V * K
     if TRACK:
         track_slot = tl.load(track_slots + i_n).to(tl.int64)
         track_step = tl.load(track_steps + i_n).to(tl.int32)
         track_live = (track_slot > null_block_id) & (track_slot >= 0)
+        in_pool = in_pool & (~track_live | (track_slot < num_slots))
     else:
-        track_slot, track_step, track_live = slot, steps, active & (slot < 0)  # never stores
+        track_slot, track_step, track_live = slot, steps, claimed & (slot < 0)  # never stores
+    # A slot or track slot past the pool: the row is not committed at all (nothing half-written).
+    active = claimed & in_pool & (steps > 0)
+    num_steps = tl.minimum(tl.where(active, steps, 0), ring_len)  # never past the ring, even unchecked
     p_k = ring_k + layer * s_rk_layer + slot * s_rk_slot + i_h * ring_len * K + offs_k
     p_g = ring_g + layer * s_rg_layer + slot * s_rg_slot + i_hv * ring_len * K + offs_k
     p_b = ring_beta + layer * s_rb_layer + slot * s_rb_slot + i_hv * ring_len
     p_v_head = ring_v + layer * s_rv_layer + slot * s_rv_slot + i_hv * ring_len * V
 
     offs_v = i_v * TILES * BLOCK_V + tl.arange(0, BLOCK_V)
-    mask_s = active & ((offs_v < V)[:, None] & mask_k[None, :])
+    mask_s = mask_if((offs_v < V)[:, None] & mask_k[None, :], active)
     S_next = tl.load(head + slot * s_state_slot + offs_v[:, None] * K + offs_k[None, :], mask=mask_s, other=0.0)
     for j in tl.static_range(TILES):
         offs_v = (i_v * TILES + j) * BLOCK_V + tl.arange(0, BLOCK_V)
         mask_v = offs_v < V
-        mask_s = active & (mask_v[:, None] & mask_k[None, :])
+        mask_s = mask_if(mask_v[:, None] & mask_k[None, :], active)
         tile = offs_v[:, None] * K + offs_k[None, :]
         S = S_next.to(tl.float32)
         if j + 1 < TILES:
             offs_next = offs_v + BLOCK_V
             S_next = tl.load(head + slot * s_state_slot + offs_next[:, None] * K + offs_k[None, :],
-                             mask=active & ((offs_next < V)[:, None] & mask_k[None, :]), other=0.0)
+                             mask=mask_if((offs_next < V)[:, None] & mask_k[None, :], active), other=0.0)
         S = _fold_ring_steps(S, p_k, p_v_head + offs_v, p_g, p_b, num_steps, mask_k, mask_v,
-                             head + track_slot * s_state_slot + tile, mask_s & track_live, track_step,
+                             head + track_slot * s_state_slot + tile, mask_if(mask_s, track_live), track_step,
                              K, V, USE_QK_L2NORM, TRACK, STEPS_AHEAD)
         tl.store(head + slot * s_state_slot + tile, S.to(state.dtype.element_ty), mask=mask_s)
+    count_bad_row(errors, claimed & ~in_pool & (i_v == 0) & (i_layer_hv == 0), ERR_INDEX)
 
 
 @triton.jit
 def _gather_copy_kernel(
-    src, dst, slot_indices, scratch_indices, accepted_steps,
-    s_src_row, s_src_step, s_src_r, s_src_c, s_dst_slot, s_dst_r, s_dst_c,
+    src, dst, slot_indices, scratch_indices, accepted_steps, errors,
+    s_src_row, s_src_step, s_src_r, s_src_c, s_dst_slot, s_dst_r, s_dst_c, num_slots, num_rows, num_steps,
     ROWS: tl.constexpr, COLS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    ERR_INDEX: tl.constexpr,
 ):
-    # dst[slot, r, c] = src[row, step, r, c] for requests with a live slot and step >= 0.
+    # dst[slot, r, c] = src[row, step, r, c] for requests with a live slot and step >= 0,
+    # when slot, row and step are inside every pool and scratch buffer of the commit (each
+    # launch of one commit takes the same bounds, so a row is copied everywhere or nowhere).
     i_r, i_n = tl.program_id(0), tl.program_id(1)
     slot = tl.load(slot_indices + i_n).to(tl.int64)
     row = tl.load(scratch_indices + i_n).to(tl.int64)
     step = tl.load(accepted_steps + i_n).to(tl.int64)
-    active = (slot >= 0) & (step >= 0)
+    claimed = (slot >= 0) & (step >= 0)
+    inside = (slot < num_slots) & (row >= 0) & (row < num_rows) & (step < num_steps)
+    active = claimed & inside
+    count_bad_row(errors, claimed & ~inside & (i_r == 0), ERR_INDEX)
     offs_r = i_r * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_c = tl.arange(0, BLOCK_C)
-    mask = active & (offs_r[:, None] < ROWS) & (offs_c[None, :] < COLS)
+    mask = mask_if((offs_r[:, None] < ROWS) & (offs_c[None, :] < COLS), active)
     src_ptrs = src + row * s_src_row + step * s_src_step + offs_r[:, None] * s_src_r + offs_c[None, :] * s_src_c
     vals = tl.load(src_ptrs, mask=mask, other=0.0)
     dst_ptrs = dst + slot * s_dst_slot + offs_r[:, None] * s_dst_r + offs_c[None, :] * s_dst_c
@@ -176,23 +187,24 @@ def commit_ring_triton(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, a
     grid = (triton.cdiv(V, block_v * tiles), num_layers * HV, N)
     _commit_ring(grid, (
         state, ring_k, ring_v, ring_g, ring_beta, slot_indices, accept_lens,
-        track_slots if track else slot_indices, track_steps if track else accept_lens,
+        track_slots if track else slot_indices, track_steps if track else accept_lens, errors.counters(state.device),
         state.stride(0) if layered else 0, state.stride(1),
         ring_k.stride(0) if layered else 0, ring_k.stride(1), ring_v.stride(0) if layered else 0, ring_v.stride(1),
         ring_g.stride(0) if layered else 0, ring_g.stride(1), ring_beta.stride(0) if layered else 0,
-        ring_beta.stride(1), ring_len, int(null_block_id)),
+        ring_beta.stride(1), ring_len, int(null_block_id), state.shape[1]),
         dict(H=H, HV=HV, K=K, V=V, BLOCK_K=triton.next_power_of_2(K),
              BLOCK_V=block_v, TILES=tiles, STEPS_AHEAD=COMMIT_STEPS_AHEAD,
-             USE_QK_L2NORM=bool(use_qk_l2norm), TRACK=track), num_warps=num_warps, num_stages=1)
+             USE_QK_L2NORM=bool(use_qk_l2norm), TRACK=track, ERR_INDEX=errors.INDEX["commit_ring"]),
+        num_warps=num_warps, num_stages=1)
 
 
 @register("commit_ring", "reference")
 def commit_ring_reference(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, accept_lens, **kwargs):
     if state.dim() == 4:
         return reference.commit_ring(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, accept_lens, **kwargs)
-    for layer in range(state.shape[0]):
+    for layer in range(state.shape[0]):  # a bad row counts once, as in the kernel
         reference.commit_ring(state[layer], ring_k[layer], ring_v[layer], ring_g[layer], ring_beta[layer],
-                              slot_indices, accept_lens, **kwargs)
+                              slot_indices, accept_lens, count_errors=layer == 0, **kwargs)
 
 
 def check_commit_ring(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, accept_lens, track_slots,
@@ -235,8 +247,13 @@ def check_commit_ring(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, ac
                                 track_steps)
     if contracts.full_checks_enabled(full_checks):
         contracts.check_slot_values("slot_indices", slot_indices, slots, full_checks=True)
-        if int(accept_lens.max(initial=0)) > L:
+        if accept_lens.numel() and int(accept_lens.max()) > L:
             contracts.fail(f"`accept_lens` holds {int(accept_lens.max())}, more steps than the rings hold (L={L}).")
+        if track_slots is not None:
+            tracked = track_slots[(track_slots >= 0) & (slot_indices >= 0)]
+            if tracked.numel() and int(tracked.max()) >= slots:
+                contracts.fail(f"`track_slots` holds slot {int(tracked.max())}, out of range for a pool of {slots} "
+                               "slots.")
 
 
 def commit_ring(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, accept_lens, *, track_slots=None,
@@ -247,7 +264,8 @@ def commit_ring(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, accept_l
     ``ring_g [slots, HV, L, K]`` (log-decay, float32), ``ring_beta [slots, HV, L]`` (float32),
     as ``mtp_verify`` writes them. With ``track_slots``/``track_steps`` the state after step
     ``track_steps[n]`` (0-based, when < accept_lens[n]) also goes to ``state[track_slots[n]]``.
-    Rows with slot ``<= null_block_id`` (or < 0) or ``accept_lens <= 0`` are skipped. Every
+    Rows with slot ``<= null_block_id`` (or < 0) or ``accept_lens <= 0`` are skipped, and so
+    are rows whose slot or track slot is past the pool (counted, ``kdakit.take_errors``). Every
     tensor may carry a leading layer dimension: all layers commit in one launch.
     """
     check_commit_ring(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, accept_lens, track_slots,
@@ -265,13 +283,21 @@ def commit_ring(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, accept_l
 # Snapshot commit
 # ----------------------------------------------------------------------------
 def _gather_copy_launch(src, dst, slot_indices, scratch_indices, accepted_steps, rows, cols,
-                        src_rc_strides, dst_rc_strides):
+                        src_rc_strides, dst_rc_strides, bounds, err_index):
     block_c = triton.next_power_of_2(cols)
     block_r = max(1, min(triton.next_power_of_2(rows), 4096 // block_c))
     grid = (triton.cdiv(rows, block_r), slot_indices.shape[0])
-    _gather_copy(grid, (src, dst, slot_indices, scratch_indices, accepted_steps, src.stride(0), src.stride(1),
-                        *src_rc_strides, dst.stride(0), *dst_rc_strides),
-                 dict(ROWS=rows, COLS=cols, BLOCK_R=block_r, BLOCK_C=block_c), num_warps=4, num_stages=1)
+    _gather_copy(grid, (src, dst, slot_indices, scratch_indices, accepted_steps, errors.counters(src.device),
+                        src.stride(0), src.stride(1), *src_rc_strides, dst.stride(0), *dst_rc_strides, *bounds),
+                 dict(ROWS=rows, COLS=cols, BLOCK_R=block_r, BLOCK_C=block_c, ERR_INDEX=err_index),
+                 num_warps=4, num_stages=1)
+
+
+def snapshot_commit_bounds(state, snapshots, conv_states, intermediate_conv) -> tuple:
+    """(slots, scratch rows, steps) that every pool and scratch buffer of a snapshot commit holds."""
+    dst = ([state] if snapshots is not None else []) + list(conv_states or ())
+    src = ([snapshots] if snapshots is not None else []) + list(intermediate_conv or ())
+    return min(t.shape[0] for t in dst), min(t.shape[0] for t in src), min(t.shape[1] for t in src)
 
 
 @register("commit_snapshots", "triton")
@@ -279,13 +305,18 @@ def commit_snapshots_triton(state, snapshots, slot_indices, scratch_indices, acc
                             intermediate_conv):
     if slot_indices.shape[0] == 0:
         return
+    bounds = snapshot_commit_bounds(state, snapshots, conv_states, intermediate_conv)
+    err_index = errors.INDEX["commit_snapshots"]  # the first launch counts
     if snapshots is not None:
         _, HV, V, K = state.shape
         _gather_copy_launch(snapshots, state, slot_indices, scratch_indices, accepted_steps, HV * V, K,
-                            (K, 1), (K, 1))
+                            (K, 1), (K, 1), bounds, err_index)
+        err_index = errors.NO_COUNT
     for pool, inter in zip(conv_states or (), intermediate_conv or ()):
         _gather_copy_launch(inter, pool, slot_indices, scratch_indices, accepted_steps, pool.shape[1],
-                            pool.shape[2], (inter.stride(2), inter.stride(3)), (pool.stride(1), pool.stride(2)))
+                            pool.shape[2], (inter.stride(2), inter.stride(3)), (pool.stride(1), pool.stride(2)),
+                            bounds, err_index)
+        err_index = errors.NO_COUNT
 
 
 @register("commit_snapshots", "reference")
@@ -298,7 +329,9 @@ def commit_snapshots(state, snapshots, slot_indices, scratch_indices, accepted_s
     """For each request with a live slot and ``accepted_steps[n] >= 0``, copy snapshot
     ``snapshots[scratch_indices[n], accepted_steps[n]]`` into ``state[slot_indices[n]]``, and
     the conv windows ``intermediate_conv[i][row, step]`` into ``conv_states[i][slot]``.
-    ``snapshots=None`` commits the conv windows only (after a ring commit of the state)."""
+    ``snapshots=None`` commits the conv windows only (after a ring commit of the state). A
+    request whose slot, scratch row or step is outside any of these buffers is not committed
+    anywhere (counted, ``kdakit.take_errors``)."""
     N = slot_indices.shape[0] if slot_indices.dim() == 1 else -1
     for name, t in (("slot_indices", slot_indices), ("scratch_indices", scratch_indices),
                     ("accepted_steps", accepted_steps)):
@@ -330,6 +363,10 @@ def commit_snapshots(state, snapshots, slot_indices, scratch_indices, accepted_s
         L = (snapshots if snapshots is not None else intermediate_conv[0]).shape[1]
         if steps.numel() and int(steps.max()) >= L:
             contracts.fail(f"`accepted_steps` holds {int(steps.max())}, past the {L} steps a scratch row holds.")
+        num_slots, num_rows, _ = snapshot_commit_bounds(state, snapshots, conv_states, intermediate_conv)
+        committed = (slot_indices >= 0) & (accepted_steps >= 0)
+        contracts.check_slot_values("slot_indices", slot_indices[committed], num_slots, full_checks=True)
+        contracts.check_rows_in_range("scratch_indices", scratch_indices[committed], num_rows, "row")
     if torch.compiler.is_compiling() or type(state) is not torch.Tensor:  # traced: kdakit/custom_ops.py
         torch.ops.kdakit.commit_snapshots(state, snapshots, slot_indices, scratch_indices, accepted_steps,
                                           list(conv_states or ()), list(intermediate_conv or ()), backend)

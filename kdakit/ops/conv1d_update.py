@@ -5,7 +5,7 @@ channel's previous ``W-1`` inputs, oldest first, with any strides (a pool stored
 ``[slots, W-1, C]`` and passed as ``.transpose(1, 2)`` works); ``weight [C, W]``
 float32. ``out[i] = SiLU(conv)`` rounded to ``x``'s dtype, and ``conv_state[slot]``
 shifts left and appends ``x[i]`` in place. A slot < 0 is a padding row: zero
-output, no pool access.
+output, no pool access; so is a slot past the pool, which is counted (``kdakit.take_errors``).
 """
 from __future__ import annotations
 
@@ -14,18 +14,18 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
-from .. import contracts, reference
+from .. import contracts, errors, reference
 from ..backends import register, select
 from .launch import CachedKernel
-from .triton_math import short_conv_update
+from .triton_math import count_bad_row, short_conv_update
 
 
 @triton.jit
 def _causal_conv1d_update_kernel(
-    x, conv_state, weight, bias, slot_indices, out,
-    num_channels, stride_x_row, stride_out_row, stride_conv_slot, stride_conv_chan, stride_conv_tap,
+    x, conv_state, weight, bias, slot_indices, out, errors,
+    num_channels, num_slots, stride_x_row, stride_out_row, stride_conv_slot, stride_conv_chan, stride_conv_tap,
     W: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_TAPS: tl.constexpr, HAS_BIAS: tl.constexpr,
-    LAUNCH_DEPENDENTS: tl.constexpr,
+    LAUNCH_DEPENDENTS: tl.constexpr, ERR_INDEX: tl.constexpr,
 ):
     # One program per (block of channels, request): each channel's window has exactly
     # one reader and writer, so the in-place shift needs no cross-program ordering.
@@ -35,12 +35,13 @@ def _causal_conv1d_update_kernel(
     offs_c = i_c * BLOCK_C + tl.arange(0, BLOCK_C)
     mask_c = offs_c < num_channels
     slot = tl.load(slot_indices + i_b).to(tl.int64)
-    live = slot >= 0
+    live = (slot >= 0) & (slot < num_slots)  # a slot past the pool: a padding row
     win_ptrs = conv_state + slot * stride_conv_slot + offs_c.to(tl.int64) * stride_conv_chan
     y = short_conv_update(x + i_b.to(tl.int64) * stride_x_row + offs_c, win_ptrs, weight + offs_c * W,
                           bias + offs_c, stride_conv_tap, mask_c, live, W, BLOCK_TAPS, HAS_BIAS)
     y = tl.where(live, y, 0.0)
     tl.store(out + i_b.to(tl.int64) * stride_out_row + offs_c, y.to(out.dtype.element_ty), mask=mask_c)
+    count_bad_row(errors, (slot >= num_slots) & (i_c == 0), ERR_INDEX)
 
 
 _causal_conv1d_update = CachedKernel(_causal_conv1d_update_kernel)
@@ -55,9 +56,12 @@ def _launch_config(channels: int) -> tuple:
 
 @register("causal_conv1d_update", "triton")
 def causal_conv1d_update_triton(x, conv_state, weight, slot_indices, out, *, bias=None, config=None,
-                                launch_dependents=False):
+                                launch_dependents=False, num_slots=None,
+                                err_index=errors.INDEX["causal_conv1d_update"]):
     """``config = (BLOCK_C, num_warps)`` overrides the pinned choice (sweeps, tests);
-    ``launch_dependents``: the next kernel, a programmatic dependent launch, may start early."""
+    ``launch_dependents``: the next kernel, a programmatic dependent launch, may start early.
+    ``num_slots`` (default: the pool's): slots from there on are padding, counted on
+    counter ``err_index`` (``errors.NO_COUNT``: not counted)."""
     B, C = x.shape
     if B == 0:
         return out
@@ -65,10 +69,11 @@ def causal_conv1d_update_triton(x, conv_state, weight, slot_indices, out, *, bia
     block_c, num_warps = config or _launch_config(C)
     _causal_conv1d_update(
         (triton.cdiv(C, block_c), B, 1),
-        (x, conv_state, weight, bias if bias is not None else weight, slot_indices, out,
-         C, x.stride(0), out.stride(0), conv_state.stride(0), conv_state.stride(1), conv_state.stride(2)),
+        (x, conv_state, weight, bias if bias is not None else weight, slot_indices, out, errors.counters(x.device),
+         C, conv_state.shape[0] if num_slots is None else num_slots, x.stride(0), out.stride(0),
+         conv_state.stride(0), conv_state.stride(1), conv_state.stride(2)),
         dict(W=W, BLOCK_C=block_c, BLOCK_TAPS=triton.next_power_of_2(W - 1), HAS_BIAS=bias is not None,
-             LAUNCH_DEPENDENTS=bool(launch_dependents)),
+             LAUNCH_DEPENDENTS=bool(launch_dependents), ERR_INDEX=err_index),
         num_warps=num_warps, num_stages=1)
     return out
 

@@ -7,7 +7,8 @@ place), L2 norm of q and k, gate (default, or safe with ``lower_bound``),
 place), and an optional gated RMSNorm over V. Post-conv values are rounded to
 ``qkv``'s dtype exactly as ``causal_conv1d_update`` stores them, so this kernel and
 the unfused chain ``causal_conv1d_update -> packed_decode -> gated_rmsnorm`` see the
-same numbers. A slot < 0 is a padding row: zero output, no pool access.
+same numbers. A slot < 0 is a padding row: zero output, no pool access; so is a slot past
+either pool, which is counted (``kdakit.take_errors``).
 """
 from __future__ import annotations
 
@@ -15,29 +16,29 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import contracts, reference
+from .. import contracts, errors, reference
 from ..backends import register, select
 from .conv1d_update import causal_conv1d_update_triton
 from .gated_rmsnorm import gated_rmsnorm_after
 from .launch import CachedKernel, arrival_counters, pdl_available
 from .packed_decode import _launch_config as packed_launch_config
 from .packed_decode import packed_decode_triton
-from .triton_math import (conv_apply, conv_inputs, delta_rule_update, gated_rmsnorm_rows, kda_log_decay,
-                          l2_normalize, shift_window, short_conv)
+from .triton_math import (conv_apply, conv_inputs, count_bad_row, delta_rule_update, gated_rmsnorm_rows,
+                          kda_log_decay, l2_normalize, mask_if, shift_window, short_conv)
 
 
 @triton.jit
 def _load_tile(head_state, offs_v, offs_k, mask_k, in_use, V: tl.constexpr, K: tl.constexpr):
     """State rows ``offs_v`` (none past V) as stored; nothing read where not ``in_use``."""
     return tl.load(head_state + offs_v[:, None] * K + offs_k[None, :],
-                   mask=in_use & ((offs_v < V)[:, None] & mask_k[None, :]), other=0.0)
+                   mask=mask_if((offs_v < V)[:, None] & mask_k[None, :], in_use), other=0.0)
 
 
 @triton.jit
 def _store_tile(head_state, offs_v, offs_k, mask_k, S, in_use, V: tl.constexpr, K: tl.constexpr):
     """``_load_tile``'s rows back, in the pool's dtype; nothing written where not ``in_use``."""
     tl.store(head_state + offs_v[:, None] * K + offs_k[None, :], S.to(head_state.dtype.element_ty),
-             mask=in_use & ((offs_v < V)[:, None] & mask_k[None, :]))
+             mask=mask_if((offs_v < V)[:, None] & mask_k[None, :], in_use))
 
 
 @triton.jit
@@ -47,21 +48,21 @@ def _v_conv_inputs(row, win_row, conv_weight, conv_bias, stride_conv_chan, strid
     """The v-conv loads of state rows ``offs_v`` (``conv_inputs``); nothing read where not ``in_use``."""
     v_chan = v_chan0 + offs_v
     return conv_inputs(row + v_chan, win_row + v_chan.to(tl.int64) * stride_conv_chan, conv_weight + v_chan * W,
-                       conv_bias + v_chan, stride_conv_tap, (offs_v < V) & in_use, live, W, BLOCK_TAPS,
+                       conv_bias + v_chan, stride_conv_tap, mask_if(offs_v < V, in_use), live, W, BLOCK_TAPS,
                        HAS_CONV_BIAS)
 
 
 @triton.jit
 def _fused_decode_kernel(
     qkv, conv_weight, conv_bias, conv_state, a, b, A_log, dt_bias, state, slot_indices, norm_gate, norm_weight, out,
-    arrivals,
+    arrivals, errors,
     stride_qkv_row, stride_conv_slot, stride_conv_chan, stride_conv_tap, stride_a_row, stride_b_row,
-    stride_state_slot, stride_gate_row,
+    stride_state_slot, stride_gate_row, num_slots,
     scale, lower_bound, norm_eps,
     H: tl.constexpr, HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, V_TILES: tl.constexpr, PROGRAMS_PER_HEAD: tl.constexpr,
     BLOCK_V_ROW: tl.constexpr, BLOCK_TAPS: tl.constexpr,
-    HAS_CONV_BIAS: tl.constexpr, SAFE_GATE: tl.constexpr, HAS_NORM: tl.constexpr,
+    HAS_CONV_BIAS: tl.constexpr, SAFE_GATE: tl.constexpr, HAS_NORM: tl.constexpr, ERR_INDEX: tl.constexpr,
 ):
     # A program owns V_TILES tiles of BLOCK_V state rows of one (request, value head) and
     # streams them, the next tile's state rows and v-conv inputs loading while this tile
@@ -82,7 +83,8 @@ def _fused_decode_kernel(
     mask_k = offs_k < K
     row = qkv + i_b.to(tl.int64) * stride_qkv_row
     slot = tl.load(slot_indices + i_b).to(tl.int64)
-    live = slot >= 0  # padding rows: masked loads and stores never touch either pool
+    # Padding rows, and slots past either pool: masked loads and stores never touch the pools.
+    live = (slot >= 0) & (slot < num_slots)
     # 64-bit offsets: slot * stride passes 2**31 in real pools.
     win_row = conv_state + slot * stride_conv_slot
     head_state = state + slot * stride_state_slot + i_hv * V * K
@@ -176,6 +178,7 @@ def _fused_decode_kernel(
                 tl.store(o_ptrs, o_row.to(out.dtype.element_ty), mask=mask_row)
         if SPLIT:
             tl.store(arrivals + i_b * H + i_h, 0)
+    count_bad_row(errors, (slot >= num_slots) & (i_v == 0) & (i_hv == 0), ERR_INDEX)
 
 
 _fused_decode = CachedKernel(_fused_decode_kernel)
@@ -243,13 +246,16 @@ def _unfused_chain(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, state, sl
     B, HV, V, K = qkv.shape[0], *state.shape[1:]
     pdl = pdl_available(qkv.device) if pdl is None else pdl
     has_norm = norm_weight is not None
+    # Both kernels treat a slot past either pool as padding; the conv counts it.
+    num_slots = min(state.shape[0], conv_state.shape[0])
     mixed = causal_conv1d_update_triton(qkv, conv_state, conv_weight, slot_indices, torch.empty_like(qkv),
-                                        bias=conv_bias, config=conv_config, launch_dependents=pdl)
+                                        bias=conv_bias, config=conv_config, launch_dependents=pdl,
+                                        num_slots=num_slots, err_index=errors.INDEX["fused_decode"])
     o = torch.empty(out.shape, dtype=out.dtype, device=out.device) if has_norm else out
     packed_decode_triton(mixed, a, b, A_log, dt_bias, state, slot_indices, o, scale=scale, use_qk_l2norm=True,
                          lower_bound=lower_bound, wait_for_qkv=pdl,
                          config=decode_config or _chain_decode_config(B, HV, V, K, state.element_size()),
-                         launch_dependents=pdl and has_norm)
+                         launch_dependents=pdl and has_norm, num_slots=num_slots, err_index=errors.NO_COUNT)
     if has_norm:
         gated_rmsnorm_after(o, norm_gate.unflatten(-1, (HV, V)).unsqueeze(1), norm_weight, out, eps=norm_eps,
                             wait_for_x=pdl, config=norm_config)
@@ -284,14 +290,14 @@ def fused_decode_triton(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, stat
         (programs_per_head, HV, B),
         (qkv, conv_weight, conv_bias if conv_bias is not None else conv_weight, conv_state, a, b, A_log, dt_bias,
          state, slot_indices, norm_gate if has_norm else qkv, norm_weight if has_norm else conv_weight, out,
-         arrival_counters(qkv.device, B * H) if split else slot_indices,
+         arrival_counters(qkv.device, B * H) if split else slot_indices, errors.counters(qkv.device),
          qkv.stride(0), conv_state.stride(0), conv_state.stride(1), conv_state.stride(2), a.stride(0), b.stride(0),
-         state.stride(0), norm_gate.stride(0) if has_norm else 0,
+         state.stride(0), norm_gate.stride(0) if has_norm else 0, min(state.shape[0], conv_state.shape[0]),
          float(scale), float(lower_bound) if lower_bound is not None else 0.0, float(norm_eps)),
         dict(H=H, HV=HV, GROUP=HV // H, K=K, V=V, W=W, BLOCK_K=triton.next_power_of_2(K), BLOCK_V=block_v,
              V_TILES=v_tiles, PROGRAMS_PER_HEAD=programs_per_head, BLOCK_V_ROW=triton.next_power_of_2(V),
              BLOCK_TAPS=triton.next_power_of_2(W - 1), HAS_CONV_BIAS=conv_bias is not None,
-             SAFE_GATE=lower_bound is not None, HAS_NORM=has_norm),
+             SAFE_GATE=lower_bound is not None, HAS_NORM=has_norm, ERR_INDEX=errors.INDEX["fused_decode"]),
         num_warps=num_warps, num_stages=1)
     return out
 

@@ -208,6 +208,12 @@ def kept_buffer(kind: str, device: torch.device, count: int, make) -> torch.Tens
     return kept[-1]
 
 
+def kept_buffers(kind: str) -> list:
+    """Every buffer of ``kind`` kept so far, on any device and stream, as ((device, stream), buffer)."""
+    return [((device, stream), buf) for (k, device, stream), bufs in list(_KEPT.items()) if k == kind
+            for buf in bufs]
+
+
 def arrival_counters(device: torch.device, count: int) -> torch.Tensor:
     """``count`` int32 counters (or more) that are zero between launches (each kernel that
     counts arrivals on them resets what it used), a ``kept_buffer``: one set per (device,

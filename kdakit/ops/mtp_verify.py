@@ -22,12 +22,12 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from .. import contracts, reference
+from .. import contracts, errors, reference
 from ..backends import register, select
 from .gated_rmsnorm import gated_rmsnorm_after
 from .launch import CachedKernel, pdl_available
 from .ring_verify import ring_verify
-from .triton_math import delta_rule_update, kda_log_decay, l2_normalize
+from .triton_math import count_bad_row, delta_rule_update, kda_log_decay, l2_normalize, mask_if, verify_request
 from .verify_conv import verify_conv
 
 
@@ -51,13 +51,14 @@ def _load_step(x_q, x_k, x_v, a, b, t, n64, i_hv, ch_qk, ch_v, offs_k, mask_k, m
 @triton.jit
 def _mtp_verify_kernel(
     q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, out,
-    snapshots, ring_k, ring_v, ring_g, ring_beta,
+    snapshots, ring_k, ring_v, ring_g, ring_beta, errors,
     stride_state_slot, s_snap_row, s_snap_t, s_rk_slot, s_rv_slot, s_rg_slot, s_rb_slot, ring_len,
-    scale, lower_bound,
+    num_slots, num_rows, scale, lower_bound,
     T: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
     SNAPSHOT: tl.constexpr, RING: tl.constexpr, SAFE_GATE: tl.constexpr,
-    WAIT_FOR_TOKENS: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
+    WAIT_FOR_TOKENS: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr, CHECK_ROWS: tl.constexpr,
+    ERR_INDEX: tl.constexpr,
 ):
     # One program: BLOCK_V state rows of one (request, value head), carried in registers
     # through the T steps; each step's inputs are loaded while the previous step computes
@@ -74,12 +75,11 @@ def _mtp_verify_kernel(
     offs_v = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
     mask_k = offs_k < K
     mask_v = offs_v < V
-    slot = tl.load(slot_indices + i_n).to(tl.int64)
-    row = tl.load(scratch_indices + i_n).to(tl.int64)
-    live = slot >= 0  # padding rows: zero output, nothing else read or written
+    # Padding rows, and indices past their buffers: zero output, nothing else read or written.
+    slot, row, live = verify_request(slot_indices, scratch_indices, i_n, num_slots, num_rows, CHECK_ROWS)
     writes_head = live & (i_v == 0)
     writes_key_head = writes_head & (i_hv % G == 0)
-    mask_s = live & (mask_v[:, None] & mask_k[None, :])
+    mask_s = mask_if(mask_v[:, None] & mask_k[None, :], live)
     s_ptrs = state + slot * stride_state_slot + i_hv * V * K + offs_v[:, None] * K + offs_k[None, :]
     S = tl.load(s_ptrs, mask=mask_s, other=0.0).to(tl.float32)
 
@@ -103,11 +103,11 @@ def _mtp_verify_kernel(
                              A_log_h, lower_bound, T, H, HV, K, V, SAFE_GATE)
         if RING:  # the raw per-step inputs of the commit's replay
             tl.store(ring_k + slot * s_rk_slot + (i_h * ring_len + t) * K + offs_k, k_t.to(ring_k.dtype.element_ty),
-                     mask=mask_k & writes_key_head)
+                     mask=mask_if(mask_k, writes_key_head))
             tl.store(ring_v + slot * s_rv_slot + (i_hv * ring_len + t) * V + offs_v,
-                     v_t.to(ring_v.dtype.element_ty), mask=mask_v & live)
+                     v_t.to(ring_v.dtype.element_ty), mask=mask_if(mask_v, live))
             tl.store(ring_g + slot * s_rg_slot + (i_hv * ring_len + t) * K + offs_k,
-                     g_t.to(ring_g.dtype.element_ty), mask=mask_k & writes_head)
+                     g_t.to(ring_g.dtype.element_ty), mask=mask_if(mask_k, writes_head))
             tl.store(ring_beta + slot * s_rb_slot + i_hv * ring_len + t, beta_t.to(ring_beta.dtype.element_ty),
                      mask=writes_head)
         q_hat = l2_normalize(q_t) * scale
@@ -117,6 +117,7 @@ def _mtp_verify_kernel(
         if SNAPSHOT:
             snap = snapshots + row * s_snap_row + t * s_snap_t + i_hv * V * K
             tl.store(snap + offs_v[:, None] * K + offs_k[None, :], S.to(snapshots.dtype.element_ty), mask=mask_s)
+    count_bad_row(errors, (slot >= 0) & ~live & (i_v == 0) & (i_hv == 0), ERR_INDEX)
 
 
 _mtp_verify = CachedKernel(_mtp_verify_kernel)
@@ -164,24 +165,34 @@ def mtp_verify_triton(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratc
     # Programmatic dependent launches (see launch.pdl_available) between our own kernels.
     pdl = pdl_available(q.device)
     conv = conv_weights is not None
+    # Every kernel of the verify treats the same rows as padding: slots past the pool, and
+    # scratch rows outside every scratch buffer the call writes (-1: none, rows not checked);
+    # one kernel counts them.
+    bounds = (state.shape[0], scratch_rows(snapshots if rings is None else None, intermediate_conv))
     if conv:  # its own kernel first; the recurrence reads the post-conv tokens
         q, k, v = verify_conv(q, k, v, conv_weights, conv_bias, conv_states, intermediate_conv, slot_indices,
-                              scratch_indices, launch_dependents=pdl)
+                              scratch_indices, bounds, launch_dependents=pdl)
     norm = norm_weight is not None
     raw_out = torch.empty(out.shape, dtype=torch.float32, device=out.device) if norm else out
     if rings is not None and ring_form(N, HV, T) == "chunked":
-        ring_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, raw_out, rings, scale=scale,
-                    lower_bound=lower_bound, wait_for_tokens=conv, launch_dependents=norm, pdl=pdl)
+        ring_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, bounds, raw_out, rings,
+                    scale=scale, lower_bound=lower_bound, wait_for_tokens=conv, launch_dependents=norm, pdl=pdl)
     else:
         _launch_recurrence(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, raw_out, snapshots,
-                           rings, scale, lower_bound, conv=conv, norm=norm, pdl=pdl)
+                           rings, scale, lower_bound, bounds, conv=conv, norm=norm, pdl=pdl)
     if norm:  # padding rows stay zero: their raw output is zero, and so is its norm
         gated_rmsnorm_after(raw_out, norm_gate, norm_weight, out, eps=norm_eps, wait_for_x=pdl)
     return out
 
 
+def scratch_rows(snapshots, intermediate_conv) -> int:
+    """Rows every scratch buffer written has (snapshots, intermediate conv windows); -1 when none is."""
+    rows = [t.shape[0] for t in (snapshots, *(intermediate_conv or ())) if t is not None]
+    return min(rows) if rows else -1
+
+
 def _launch_recurrence(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, raw_out, snapshots,
-                       rings, scale, lower_bound, *, conv, norm, pdl):
+                       rings, scale, lower_bound, bounds, *, conv, norm, pdl):
     """The verify recurrence: outputs, and after every step a snapshot or the ring entries."""
     N, T, H, K = q.shape
     HV, V = v.shape[-2:]
@@ -192,12 +203,14 @@ def _launch_recurrence(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scrat
         (triton.cdiv(V, block_v), HV, N),
         (q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, raw_out,
          *(t if t is not None else dummy for t in (snapshots, ring_k, ring_v, ring_g, ring_beta)),
+         errors.counters(q.device),
          state.stride(0), *_strides(snapshots, (0, 1)), *_strides(ring_k, (0,)), *_strides(ring_v, (0,)),
          *_strides(ring_g, (0,)), *_strides(ring_beta, (0,)), ring_k.shape[2] if ring_k is not None else 0,
-         float(scale), float(lower_bound) if lower_bound is not None else 0.0),
+         *bounds, float(scale), float(lower_bound) if lower_bound is not None else 0.0),
         dict(T=T, H=H, HV=HV, K=K, V=V, BLOCK_K=triton.next_power_of_2(K), BLOCK_V=block_v,
              SNAPSHOT=snapshots is not None and rings is None, RING=rings is not None,
-             SAFE_GATE=lower_bound is not None, WAIT_FOR_TOKENS=conv and pdl, LAUNCH_DEPENDENTS=norm and pdl),
+             SAFE_GATE=lower_bound is not None, WAIT_FOR_TOKENS=conv and pdl, LAUNCH_DEPENDENTS=norm and pdl,
+             CHECK_ROWS=bounds[1] >= 0, ERR_INDEX=errors.INDEX["mtp_verify"]),
         num_warps=num_warps, num_stages=1, launch_pdl=conv and pdl)
 
 
@@ -297,6 +310,9 @@ def check_mtp_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch
         if snapshots is not None and rings is None:
             contracts.check_slot_values("scratch_indices", scratch_indices[slot_indices >= 0], snapshots.shape[0],
                                         full_checks=True)
+        rows = scratch_rows(snapshots if rings is None else None, intermediate_conv)
+        if rows >= 0:  # negative rows, and the intermediate conv windows' rows, too
+            contracts.check_rows_in_range("scratch_indices", scratch_indices[slot_indices >= 0], rows, "row")
         contracts.check_finite(True, A_log=A_log, dt_bias=dt_bias)
 
 
@@ -313,6 +329,8 @@ def mtp_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indic
     ``snapshots[row, t]`` or, with ``rings=(ring_k, ring_v, ring_g, ring_beta)``, the ring
     entries at ``[slot, :, t]``; windows to ``intermediate_conv[i][row, t]``. Returns
     ``out [N, T, HV, V]`` (optionally gated-RMSNormed with ``norm_gate``, ``norm_weight``).
+    A request whose slot is past the pool, or whose scratch row is outside a scratch buffer
+    the call writes, is a padding row (zero output, nothing written; counted, ``kdakit.take_errors``).
     """
     if out is None and q.dim() == 4 and v.dim() == 4:
         out = torch.empty(v.shape, dtype=q.dtype, device=q.device)

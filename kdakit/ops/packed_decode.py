@@ -3,7 +3,7 @@
 ``mixed_qkv [B, 2*H*K + HV*V]`` (post-conv ``q | k | v``), raw gate ``a [B, HV*K]``,
 raw beta ``b [B, HV]``; ``state[slot_indices[i]]`` is updated in place and
 ``out [B, 1, HV, V]`` receives ``o``. A slot < 0 is a padding row: zero output,
-no pool access.
+no pool access; so is a slot past the pool, which is counted (``kdakit.take_errors``).
 """
 from __future__ import annotations
 
@@ -12,21 +12,21 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from .. import contracts, reference
+from .. import contracts, errors, reference
 from ..backends import forced_backend, register, select
 from .launch import CachedKernel
-from .triton_math import delta_rule_update, kda_log_decay, l2_normalize
+from .triton_math import count_bad_row, delta_rule_update, kda_log_decay, l2_normalize, mask_if
 
 
 @triton.jit
 def _packed_decode_kernel(
-    mixed_qkv, a, b, A_log, dt_bias, state, slot_indices, out,
-    stride_qkv_row, stride_a_row, stride_b_row, stride_state_slot,
+    mixed_qkv, a, b, A_log, dt_bias, state, slot_indices, out, errors,
+    stride_qkv_row, stride_a_row, stride_b_row, stride_state_slot, num_slots,
     scale, lower_bound,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, V_TILES: tl.constexpr, EVICT: tl.constexpr,
     USE_QK_L2NORM: tl.constexpr, SAFE_GATE: tl.constexpr,
-    WAIT_FOR_QKV: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
+    WAIT_FOR_QKV: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr, ERR_INDEX: tl.constexpr,
 ):
     # One program owns V_TILES tiles of BLOCK_V rows of one (request, value head)
     # state: the rows are independent given q, k, g, beta, so splitting V puts more
@@ -48,12 +48,13 @@ def _packed_decode_kernel(
     b_raw = tl.load(b + i_b.to(tl.int64) * stride_b_row + i_hv)
     A_log_h = tl.load(A_log + i_hv)
     slot = tl.load(slot_indices + i_b).to(tl.int64)
-    live = slot >= 0  # padding rows: masked loads and stores never touch the pool
+    # Padding rows, and slots past the pool: masked loads and stores never touch the pool.
+    live = (slot >= 0) & (slot < num_slots)
     # 64-bit offsets: slot * stride passes 2**31 in real pools.
     head_state = state + slot * stride_state_slot + i_hv * V * K
     first_v = i_v * V_TILES * BLOCK_V + tl.arange(0, BLOCK_V)
     S_next = tl.load(head_state + first_v[:, None] * K + offs_k[None, :],
-                     mask=live & ((first_v < V)[:, None] & mask_k[None, :]), other=0.0, eviction_policy=EVICT)
+                     mask=mask_if((first_v < V)[:, None] & mask_k[None, :], live), other=0.0, eviction_policy=EVICT)
     if WAIT_FOR_QKV:
         gdc_wait()
     q = tl.load(row + i_h * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
@@ -72,15 +73,16 @@ def _packed_decode_kernel(
         mask_v = offs_v < V
         v = tl.load(row + 2 * H * K + i_hv * V + offs_v, mask=mask_v, other=0.0).to(tl.float32)
         s_ptrs = head_state + offs_v[:, None] * K + offs_k[None, :]
-        mask_s = live & (mask_v[:, None] & mask_k[None, :])
+        mask_s = mask_if(mask_v[:, None] & mask_k[None, :], live)
         S = S_next.to(tl.float32)
         if tile + 1 < V_TILES:
-            S_next = tl.load(s_ptrs + BLOCK_V * K, mask=live & ((offs_v + BLOCK_V < V)[:, None] & mask_k[None, :]),
+            S_next = tl.load(s_ptrs + BLOCK_V * K, mask=mask_if((offs_v + BLOCK_V < V)[:, None] & mask_k[None, :], live),
                              other=0.0, eviction_policy=EVICT)
         S = delta_rule_update(S, k, v, g, beta)
         o = tl.where(live, tl.sum(S * q[None, :], axis=1), 0.0)
         tl.store(s_ptrs, S.to(state.dtype.element_ty), mask=mask_s, eviction_policy=EVICT)
         tl.store(out + (i_b * HV + i_hv) * V + offs_v, o.to(out.dtype.element_ty), mask=mask_v)
+    count_bad_row(errors, (slot >= num_slots) & (i_v == 0) & (i_hv == 0), ERR_INDEX)
 
 
 _packed_decode = CachedKernel(_packed_decode_kernel)
@@ -106,11 +108,13 @@ def _launch_config(batch: int, HV: int, V: int, K: int, state_itemsize: int) -> 
 
 @register("packed_decode", "triton")
 def packed_decode_triton(mixed_qkv, a, b, A_log, dt_bias, state, slot_indices, out, *,
-                         scale, use_qk_l2norm, lower_bound, config=None, wait_for_qkv=False, launch_dependents=False):
+                         scale, use_qk_l2norm, lower_bound, config=None, wait_for_qkv=False, launch_dependents=False,
+                         num_slots=None, err_index=errors.INDEX["packed_decode"]):
     """``config = (BLOCK_V, V_TILES, num_warps, num_stages, EVICT)`` overrides the pinned choice (sweeps).
     ``wait_for_qkv``: a programmatic dependent launch after the kernel that writes
     ``mixed_qkv`` (``launch.pdl_available``); ``launch_dependents``: let the next kernel
-    (launched so) start early."""
+    (launched so) start early. ``num_slots`` (default: the pool's): slots from there on are
+    treated as padding and counted on counter ``err_index`` (``errors.NO_COUNT``: not counted)."""
     B = mixed_qkv.shape[0]
     _, HV, V, K = state.shape
     H = reference.infer_packed_heads(mixed_qkv.shape[1], HV, V, K)
@@ -120,12 +124,13 @@ def packed_decode_triton(mixed_qkv, a, b, A_log, dt_bias, state, slot_indices, o
     grid = (triton.cdiv(V, block_v * v_tiles), HV, B)
     _packed_decode(
         grid,
-        (mixed_qkv, a, b, A_log, dt_bias, state, slot_indices, out,
+        (mixed_qkv, a, b, A_log, dt_bias, state, slot_indices, out, errors.counters(mixed_qkv.device),
          mixed_qkv.stride(0), a.stride(0), b.stride(0), state.stride(0),
+         state.shape[0] if num_slots is None else num_slots,
          float(scale), float(lower_bound) if lower_bound is not None else 0.0),
         dict(H=H, HV=HV, K=K, V=V, BLOCK_K=triton.next_power_of_2(K), BLOCK_V=block_v, V_TILES=v_tiles,
              EVICT=evict, USE_QK_L2NORM=bool(use_qk_l2norm), SAFE_GATE=lower_bound is not None,
-             WAIT_FOR_QKV=bool(wait_for_qkv), LAUNCH_DEPENDENTS=bool(launch_dependents)),
+             WAIT_FOR_QKV=bool(wait_for_qkv), LAUNCH_DEPENDENTS=bool(launch_dependents), ERR_INDEX=err_index),
         num_warps=num_warps, num_stages=num_stages, launch_pdl=bool(wait_for_qkv))
     return out
 

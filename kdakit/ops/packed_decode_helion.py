@@ -11,7 +11,7 @@ eager reference mode when ``HELION_INTERPRET=1`` (how the tests run it).
 """
 import torch
 
-from .. import contracts
+from .. import contracts, errors
 from ..backends import register, select
 from ..contracts import env_flag
 
@@ -40,7 +40,7 @@ def _import_helion():
     return helion
 
 
-def _packed_decode_body(mixed_qkv, a, b, A_log, dt_bias, state, slot_indices, out,
+def _packed_decode_body(mixed_qkv, a, b, A_log, dt_bias, state, slot_indices, out, errors,
                         scale, lower_bound, use_qk_l2norm, safe_gate):
     """One program per (request, value head, tile of V rows); every tile re-derives the
     request's q, k, gate and beta (a few hundred bytes against a 4 KB state tile)."""
@@ -65,9 +65,12 @@ def _packed_decode_body(mixed_qkv, a, b, A_log, dt_bias, state, slot_indices, ou
         A = torch.exp(A_log[i_hv].to(torch.float32))
         beta = torch.sigmoid(b[i_b, i_hv].to(torch.float32))
         slot = slot_indices[i_b].to(torch.int64)  # 64-bit: slot * slot_stride passes 2**31
-        if slot < 0:
-            # Padding row: zero output, nothing of the pool read or written.
+        if (slot < 0) | (slot >= state.size(0)):
+            # Padding row, or a slot past the pool: zero output, nothing of the pool read or
+            # written; the latter counted on errors[0] (kdakit/errors.py) by one program.
             out[i_b, 0, i_hv, tile_v] = 0.0
+            if (slot >= 0) & (i_hv == 0) & (tile_v.begin == 0):
+                hl.atomic_add(errors, [0], 1)
         else:
             if use_qk_l2norm:
                 q = q / torch.sqrt((q * q).sum() + 1e-6)
@@ -142,8 +145,9 @@ def packed_decode_helion(mixed_qkv, a, b, A_log, dt_bias, state, slot_indices, o
     _, HV, V, K = state.shape
     block_v, num_warps = config or launch_config(B, HV, V, K, state.element_size())
     kernel = _kernel(block_v, num_warps, _needs_int64(mixed_qkv, a, state, out))
+    counter = errors.INDEX["packed_decode"]
     kernel(mixed_qkv, a, b, A_log, dt_bias, state, slot_indices, out,
-           float(scale), float(lower_bound) if lower_bound is not None else 0.0,
+           errors.counters(mixed_qkv.device)[counter:counter + 1], float(scale), float(lower_bound) if lower_bound is not None else 0.0,
            hl.constexpr(bool(use_qk_l2norm)), hl.constexpr(lower_bound is not None))
     return out
 

@@ -5,7 +5,8 @@ Inputs are one flattened batch: ``q, k [1, T, H, K]``, ``v [1, T, HV, V]``,
 ``beta [1, T, HV]`` (β, or its logit), split into ``N`` sequences by ``cu_seqlens``.
 
 Slots (``state [slots, HV, V, K]``, V-major; a sequence whose starting slot is < 0 is
-a padding row: zero outputs and states, no pool access):
+a padding row: zero outputs and states, no pool access; so is one with a slot past the pool,
+counted by ``kdakit.take_errors``):
 - 1-D ``slot_indices [N]``: sequence ``n`` starts from ``state[slot_indices[n]]`` and
   its final state goes back there (``write_final_state``).
 - 2-D ``slot_indices [N, T_max]`` (fla's speculative serving path): sequence ``n``
@@ -24,10 +25,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import contracts, reference
+from .. import contracts, errors, reference
 from ..backends import register, select
 from .launch import CachedKernel
-from .triton_math import delta_rule_update, kda_log_decay, l2_normalize
+from .triton_math import count_bad_row, delta_rule_update, kda_log_decay, l2_normalize, mask_if
 
 # How beta becomes β: as given, sigmoid of a logit, or 2·sigmoid (fla's allow_neg_eigval).
 BETA_AS_IS, BETA_SIGMOID, BETA_SIGMOID_X2 = 0, 1, 2
@@ -51,7 +52,7 @@ def _zero_rows(row_ptrs, t_begin, t_end, stride_t, mask):
 @triton.jit
 def _recurrent_forward_kernel(
     q, k, v, g, beta, A_log, dt_bias, out, state, slot_indices, num_accepted, cu_seqlens, token_states, final_states,
-    T, num_seqs,
+    errors, T, num_seqs, num_slots, num_cols,
     stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_g_t, stride_g_h,
     stride_b_t, stride_b_h, stride_o_t, stride_o_h,
     stride_s_slot, stride_s_h, stride_s_v, stride_s_k,
@@ -65,7 +66,7 @@ def _recurrent_forward_kernel(
     WRITE_STATE: tl.constexpr, HAS_TOKEN_STATES: tl.constexpr, HAS_FINAL_STATES: tl.constexpr,
     USE_QK_L2NORM: tl.constexpr, GATE_IN_KERNEL: tl.constexpr, SAFE_GATE: tl.constexpr, BETA_MODE: tl.constexpr,
     PADDING_ROWS: tl.constexpr, TILES_FIRST: tl.constexpr, V_PROGRAMS: tl.constexpr,
-    ZERO_UNCOVERED: tl.constexpr,
+    ZERO_UNCOVERED: tl.constexpr, ERR_INDEX: tl.constexpr,
 ):
     if TILES_FIRST:
         # One flat grid, a sequence's heads and V tiles next to each other in launch order:
@@ -91,12 +92,27 @@ def _recurrent_forward_kernel(
             i0 = tl.load(num_accepted + i_n).to(tl.int64) - 1
         else:
             i0 = n64 * 0
-        slot = tl.load(slot_indices + n64 * stride_idx_n + i0 * stride_idx_t).to(tl.int64)
+        col_ok = (i0 >= 0) & (i0 < num_cols)  # never a read outside the index tensor either
+        slot = tl.load(slot_indices + n64 * stride_idx_n + i0 * stride_idx_t, mask=col_ok, other=0).to(tl.int64)
+        slot = tl.where(col_ok, slot, num_slots)
     else:
         slot = tl.load(slot_indices + i_n).to(tl.int64)
     # A sequence starting from a slot < 0: with PADDING_ROWS a padding row (zero outputs and
-    # states, no pool access); without, fla's zero initial state (outputs computed).
-    keep = (slot >= 0) | (not PADDING_ROWS)
+    # states, no pool access); without, fla's zero initial state (outputs computed). One
+    # whose slots (any it writes, with per-token slots) leave the pool: a padding row, counted.
+    in_pool = slot < num_slots
+    if PER_TOKEN_SLOTS:
+        if WRITE_STATE:
+            t = bos
+            while t < eos:
+                col = t - bos
+                slot_t = tl.load(slot_indices + n64 * stride_idx_n + col * stride_idx_t, mask=col < num_cols,
+                                 other=0)
+                in_pool = in_pool & (col < num_cols) & (slot_t < num_slots)
+                t += 1
+    used = (slot >= 0) | (not PADDING_ROWS)
+    keep = used & in_pool
+    reads = (slot >= 0) & in_pool
     if GATE_IN_KERNEL:
         A_log_h = tl.load(A_log + i_hv).to(tl.float32)
         bias = tl.load(dt_bias + i_hv * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
@@ -106,7 +122,7 @@ def _recurrent_forward_kernel(
     first_v = i_v * V_TILES * BLOCK_V + tl.arange(0, BLOCK_V)
     if PREFETCH_TILE:
         S_next = _load_state_tile(state + slot * stride_s_slot + i_hv * stride_s_h, first_v, offs_k, stride_s_v,
-                                  stride_s_k, (slot >= 0) & (first_v < V)[:, None] & mask_k[None, :])
+                                  stride_s_k, mask_if((first_v < V)[:, None] & mask_k[None, :], reads))
     for i_tile in tl.static_range(V_TILES):
         offs_v = (i_v * V_TILES + i_tile) * BLOCK_V + tl.arange(0, BLOCK_V)
         mask_v = offs_v < V
@@ -116,11 +132,11 @@ def _recurrent_forward_kernel(
             S = S_next.to(tl.float32)
         else:
             S = _load_state_tile(state + slot * stride_s_slot + i_hv * stride_s_h, offs_v, offs_k, stride_s_v,
-                                 stride_s_k, (slot >= 0) & mask_s).to(tl.float32)
+                                 stride_s_k, mask_if(mask_s, reads)).to(tl.float32)
         if PREFETCH_TILE and i_tile + 1 < V_TILES:
             next_v = offs_v + BLOCK_V
             S_next = _load_state_tile(state + slot * stride_s_slot + i_hv * stride_s_h, next_v, offs_k, stride_s_v,
-                                      stride_s_k, (slot >= 0) & (next_v < V)[:, None] & mask_k[None, :])
+                                      stride_s_k, mask_if((next_v < V)[:, None] & mask_k[None, :], reads))
 
         t = bos
         while t < eos:
@@ -148,9 +164,10 @@ def _recurrent_forward_kernel(
                          tl.where(keep, S, 0.0).to(token_states.dtype.element_ty), mask=mask_s)
             if PER_TOKEN_SLOTS:
                 if WRITE_STATE:
-                    slot_t = tl.load(slot_indices + n64 * stride_idx_n + (t - bos) * stride_idx_t).to(tl.int64)
+                    slot_t = tl.load(slot_indices + n64 * stride_idx_n + (t - bos) * stride_idx_t, mask=keep,
+                                     other=-1).to(tl.int64)
                     tl.store(state + slot_t * stride_s_slot + tile, S.to(state.dtype.element_ty),
-                             mask=(slot_t >= 0) & keep & mask_s)
+                             mask=mask_if(mask_s, (slot_t >= 0) & keep))
             t += 1
 
         if ZERO_UNCOVERED:
@@ -164,11 +181,12 @@ def _recurrent_forward_kernel(
 
         if not PER_TOKEN_SLOTS:
             if WRITE_STATE:
-                tl.store(state + slot * stride_s_slot + tile, S.to(state.dtype.element_ty), mask=(slot >= 0) & mask_s)
+                tl.store(state + slot * stride_s_slot + tile, S.to(state.dtype.element_ty), mask=mask_if(mask_s, reads))
         if HAS_FINAL_STATES:
             p_fs = final_states + n64 * stride_fs_n + i_hv * stride_fs_h
             tl.store(p_fs + offs_v[:, None] * stride_fs_v + offs_k[None, :] * stride_fs_k,
                      tl.where(keep, S, 0.0).to(final_states.dtype.element_ty), mask=mask_s)
+    count_bad_row(errors, used & ~in_pool & (i_v == 0) & (i_hv == 0), ERR_INDEX)
 
 
 _recurrent_forward = CachedKernel(_recurrent_forward_kernel)
@@ -232,7 +250,7 @@ def recurrent_forward_triton(q, k, v, g, beta, state, slot_indices, out, *, cu_s
          slot_indices, num_accepted_tokens if num_accepted_tokens is not None else dummy,
          cu_seqlens if cu_seqlens is not None else dummy,
          token_states if token_states is not None else state, final_states if final_states is not None else state,
-         T, N,
+         errors.counters(q.device), T, N, state.shape[0], slot_indices.shape[1] if per_token else 1,
          q.stride(1), q.stride(2), k.stride(1), k.stride(2), v.stride(1), v.stride(2), g.stride(1), g.stride(2),
          beta.stride(1), beta.stride(2), out.stride(1), out.stride(2),
          *state.stride(), *_strides4(token_states), *_strides4(final_states),
@@ -245,7 +263,8 @@ def recurrent_forward_triton(q, k, v, g, beta, state, slot_indices, out, *, cu_s
              USE_QK_L2NORM=bool(use_qk_l2norm), GATE_IN_KERNEL=A_log is not None,
              SAFE_GATE=lower_bound is not None, BETA_MODE=int(beta_mode), PADDING_ROWS=bool(padding_rows),
              TILES_FIRST=tiles_first, V_PROGRAMS=v_programs,
-             ZERO_UNCOVERED=bool(zero_uncovered) and cu_seqlens is not None),
+             ZERO_UNCOVERED=bool(zero_uncovered) and cu_seqlens is not None,
+             ERR_INDEX=errors.INDEX["recurrent_forward"]),
         num_warps=num_warps, num_stages=1)
     return out
 

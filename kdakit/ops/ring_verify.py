@@ -25,18 +25,20 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from .. import errors
 from .launch import CachedKernel
-from .triton_math import kda_log_decay
+from .triton_math import count_bad_row, kda_log_decay, mask_if, verify_request
 
 
 @triton.jit
 def _ring_verify_steps_kernel(
-    q, k, a, b, A_log, dt_bias, slot_indices, x_rows, m_rows,
-    ring_k, ring_g, ring_beta, s_rk_slot, s_rg_slot, s_rb_slot, ring_len,
-    scale, lower_bound,
+    q, k, a, b, A_log, dt_bias, slot_indices, scratch_indices, x_rows, m_rows,
+    ring_k, ring_g, ring_beta, errors, s_rk_slot, s_rg_slot, s_rb_slot, ring_len,
+    num_slots, num_rows, scale, lower_bound,
     T: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, SAFE_GATE: tl.constexpr, FACTORED: tl.constexpr,
-    WAIT_FOR_TOKENS: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
+    WAIT_FOR_TOKENS: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr, CHECK_ROWS: tl.constexpr,
+    ERR_INDEX: tl.constexpr,
 ):
     # One program per (request, value head): x and M (v enters in the state kernel). The k
     # ring has one writer per key head: the group's first value head.
@@ -49,8 +51,9 @@ def _ring_verify_steps_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     mask_t = offs_t < T
     mask_tk = mask_t[:, None] & (offs_k < K)[None, :]
-    slot = tl.load(slot_indices + i_n).to(tl.int64)
-    live = slot >= 0
+    # Padding rows, and indices past their buffers (as every kernel of the verify decides).
+    slot, row, live = verify_request(slot_indices, scratch_indices, i_n, num_slots, num_rows, CHECK_ROWS)
+    count_bad_row(errors, (slot >= 0) & ~live & (i_hv == 0), ERR_INDEX)
     bias = tl.load(dt_bias + i_hv * K + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
     A_log_h = tl.load(A_log + i_hv).to(tl.float32)
     if WAIT_FOR_TOKENS:  # q and k come from the conv prologue launched just before
@@ -67,11 +70,11 @@ def _ring_verify_steps_kernel(
     # The commit's replay reads these (k before its L2 norm).
     ring_rows_k = (offs_t * K)[:, None] + offs_k[None, :]
     tl.store(ring_k + slot * s_rk_slot + i_h * ring_len * K + ring_rows_k, k_in.to(ring_k.dtype.element_ty),
-             mask=mask_tk & live & (i_hv % G == 0))
+             mask=mask_if(mask_tk, live & (i_hv % G == 0)))
     tl.store(ring_g + slot * s_rg_slot + i_hv * ring_len * K + ring_rows_k, g.to(ring_g.dtype.element_ty),
-             mask=mask_tk & live)
+             mask=mask_if(mask_tk, live))
     tl.store(ring_beta + slot * s_rb_slot + i_hv * ring_len + offs_t, beta.to(ring_beta.dtype.element_ty),
-             mask=mask_t & live)
+             mask=mask_if(mask_t, live))
 
     k_raw = k_in.to(tl.float32)
     q_hat = q_raw * (scale / tl.sqrt(tl.sum(q_raw * q_raw, axis=1) + 1e-6))[:, None]
@@ -127,10 +130,12 @@ def _ring_verify_steps_kernel(
 
 @triton.jit
 def _ring_verify_state_kernel(
-    state, v, slot_indices, x_rows, m_rows, out, ring_v, stride_state_slot, s_rv_slot, ring_len,
+    state, v, slot_indices, scratch_indices, x_rows, m_rows, out, ring_v, stride_state_slot, s_rv_slot, ring_len,
+    num_slots, num_rows,
     T: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     DOT_T: tl.constexpr, BLOCK_V: tl.constexpr, K_CHUNK: tl.constexpr, NUM_STAGES: tl.constexpr,
     DOT_PRECISION: tl.constexpr, WAIT_FOR_STEPS: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
+    CHECK_ROWS: tl.constexpr,
 ):
     # One program: BLOCK_V state rows of one (request, value head); out = S_0 x^T + v^T M^T,
     # and these rows of the v ring. DOT_T >= 16 steps (a dot's smallest side); the steps
@@ -141,8 +146,8 @@ def _ring_verify_state_kernel(
     offs_t = tl.arange(0, DOT_T)
     offs_v = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
     mask_t, mask_v = offs_t < T, offs_v < V
-    slot = tl.load(slot_indices + i_n).to(tl.int64)
-    live = slot >= 0  # padding rows: zero output, nothing of the pool read
+    # Padding rows, and indices past their buffers: zero output, nothing of the pool read.
+    slot, row, live = verify_request(slot_indices, scratch_indices, i_n, num_slots, num_rows, CHECK_ROWS)
     head = i_n.to(tl.int64) * HV + i_hv
     state_rows = state + slot * stride_state_slot + i_hv * V * K + offs_v[:, None] * K
     x_head = x_rows + (head * T + offs_t)[:, None] * K
@@ -152,15 +157,15 @@ def _ring_verify_state_kernel(
     tok = i_n.to(tl.int64) * T + offs_t
     vT = tl.load(v + (tok * HV + i_hv)[None, :] * V + offs_v[:, None], mask=mask_vt, other=0.0)
     tl.store(ring_v + slot * s_rv_slot + i_hv * ring_len * V + offs_t[None, :] * V + offs_v[:, None],
-             vT.to(ring_v.dtype.element_ty), mask=mask_vt & live)
+             vT.to(ring_v.dtype.element_ty), mask=mask_if(mask_vt, live))
     M = tl.load(m_rows + (head * T + offs_t)[:, None] * T + offs_t[None, :],
-                mask=live & mask_t[:, None] & mask_t[None, :], other=0.0)
+                mask=mask_if(mask_t[:, None] & mask_t[None, :], live), other=0.0)
     acc = tl.zeros((BLOCK_V, DOT_T), dtype=tl.float32)
     for k0 in tl.range(0, K, K_CHUNK, num_stages=NUM_STAGES):
         offs_c = k0 + tl.arange(0, K_CHUNK)
         mask_c = offs_c < K
-        S0 = tl.load(state_rows + offs_c[None, :], mask=live & mask_v[:, None] & mask_c[None, :], other=0.0)
-        x = tl.load(x_head + offs_c[None, :], mask=live & mask_t[:, None] & mask_c[None, :], other=0.0)
+        S0 = tl.load(state_rows + offs_c[None, :], mask=mask_if(mask_v[:, None] & mask_c[None, :], live), other=0.0)
+        x = tl.load(x_head + offs_c[None, :], mask=mask_if(mask_t[:, None] & mask_c[None, :], live), other=0.0)
         acc = tl.dot(S0.to(tl.float32), tl.trans(x), acc, input_precision=DOT_PRECISION)
     o = tl.dot(vT.to(tl.float32), tl.trans(M), acc, input_precision=DOT_PRECISION)
     tl.store(out + (tok * HV + i_hv)[None, :] * V + offs_v[:, None], o.to(out.dtype.element_ty), mask=mask_vt)
@@ -200,9 +205,10 @@ def steps_warps(T: int) -> int:
     return 1 if T <= 8 else 2
 
 
-def ring_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, out, rings, *, scale, lower_bound,
-                wait_for_tokens: bool, launch_dependents: bool, pdl: bool):
+def ring_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, bounds, out, rings, *, scale,
+                lower_bound, wait_for_tokens: bool, launch_dependents: bool, pdl: bool):
     """Outputs and ring entries of a ring-mode verify (post-conv q, k, v; inputs checked by the caller).
+    ``bounds = (slots, scratch rows or -1)``: rows whose indices fall outside are padding (counted).
     ``wait_for_tokens``: q, k, v come from a kernel launched just before (dependent launch)."""
     N, T, H, K = q.shape
     HV, V = v.shape[-2:]
@@ -211,20 +217,23 @@ def ring_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, out, rings, 
     m_rows = torch.empty(N, HV, T, T, dtype=torch.float32, device=q.device)
     _ring_verify_steps(
         (HV, N),
-        (q, k, a, b, A_log, dt_bias, slot_indices, x_rows, m_rows, ring_k, ring_g, ring_beta,
-         ring_k.stride(0), ring_g.stride(0), ring_beta.stride(0), ring_k.shape[2],
-         float(scale), float(lower_bound) if lower_bound is not None else 0.0),
+        (q, k, a, b, A_log, dt_bias, slot_indices, scratch_indices, x_rows, m_rows, ring_k, ring_g, ring_beta,
+         errors.counters(q.device), ring_k.stride(0), ring_g.stride(0), ring_beta.stride(0), ring_k.shape[2],
+         *bounds, float(scale), float(lower_bound) if lower_bound is not None else 0.0),
         dict(T=T, H=H, HV=HV, K=K, BLOCK_T=triton.next_power_of_2(T), BLOCK_K=triton.next_power_of_2(K),
              SAFE_GATE=lower_bound is not None, FACTORED=factored_pair_sums(T, lower_bound),
-             WAIT_FOR_TOKENS=wait_for_tokens and pdl, LAUNCH_DEPENDENTS=pdl),
+             WAIT_FOR_TOKENS=wait_for_tokens and pdl, LAUNCH_DEPENDENTS=pdl, CHECK_ROWS=bounds[1] >= 0,
+             ERR_INDEX=errors.INDEX["mtp_verify"]),
         num_warps=steps_warps(T), num_stages=1, launch_pdl=wait_for_tokens and pdl)
     block_v, num_warps = STATE_TILE
     block_v = max(16, min(block_v, triton.next_power_of_2(V)))
     _ring_verify_state(
         (triton.cdiv(V, block_v), HV, N),
-        (state, v, slot_indices, x_rows, m_rows, out, ring_v, state.stride(0), ring_v.stride(0), ring_v.shape[2]),
+        (state, v, slot_indices, scratch_indices, x_rows, m_rows, out, ring_v, state.stride(0), ring_v.stride(0),
+         ring_v.shape[2], *bounds),
         dict(T=T, HV=HV, K=K, V=V, DOT_T=max(16, triton.next_power_of_2(T)), BLOCK_V=block_v,
              K_CHUNK=max(16, min(K_CHUNK, triton.next_power_of_2(K))), NUM_STAGES=NUM_STAGES,
-             DOT_PRECISION=DOT_PRECISION, WAIT_FOR_STEPS=pdl, LAUNCH_DEPENDENTS=launch_dependents and pdl),
+             DOT_PRECISION=DOT_PRECISION, WAIT_FOR_STEPS=pdl, LAUNCH_DEPENDENTS=launch_dependents and pdl,
+             CHECK_ROWS=bounds[1] >= 0),
         num_warps=num_warps if block_v >= 64 else 4, num_stages=1, launch_pdl=pdl)
     return out

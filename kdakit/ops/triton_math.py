@@ -8,6 +8,39 @@ import triton.language as tl
 
 
 @triton.jit
+def mask_if(mask, flag):
+    """``mask & flag`` for a block ``mask`` and a scalar ``flag``. Written as a select: Triton
+    3.9's interpreter rejects a block & scalar mask, and the compiler folds this to the same
+    ``and``."""
+    return tl.where(flag, mask, False)
+
+
+@triton.jit
+def verify_request(slot_indices, scratch_indices, i_n, num_slots, num_rows, CHECK_ROWS: tl.constexpr):
+    """Request ``i_n``'s slot and scratch row, and whether it is live: slot in ``[0, num_slots)``
+    and, with CHECK_ROWS (the call writes a scratch buffer), row in ``[0, num_rows)``. Every
+    kernel of a verify decides it so; without CHECK_ROWS the row is not even loaded (0)."""
+    slot = tl.load(slot_indices + i_n).to(tl.int64)
+    live = (slot >= 0) & (slot < num_slots)
+    if CHECK_ROWS:
+        row = tl.load(scratch_indices + i_n).to(tl.int64)
+        live = live & (row >= 0) & (row < num_rows)
+    else:
+        row = slot * 0
+    return slot, row, live
+
+
+@triton.jit
+def count_bad_row(errors, bad, ERR_INDEX: tl.constexpr):
+    """One count on counter ``ERR_INDEX`` of ``errors`` (kdakit/errors.py) where ``bad``, a row
+    whose index fell outside its buffer; the atomic runs only for such a row. A negative
+    ERR_INDEX counts nothing (another kernel of the op counts)."""
+    if ERR_INDEX >= 0:
+        if bad:
+            tl.atomic_add(errors + ERR_INDEX, 1, sem="relaxed")
+
+
+@triton.jit
 def softplus(x):
     # The threshold keeps exp() finite; above it softplus(x) == x in float32.
     return tl.where(x <= 20.0, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))), x)
@@ -67,7 +100,7 @@ def conv_inputs(x_ptrs, win_ptrs, w_ptrs, bias_ptrs, stride_tap, mask, live,
     taps = tl.arange(0, BLOCK_TAPS)
     tap_mask = mask[:, None] & (taps[None, :] < W - 1)
     x = tl.load(x_ptrs, mask=mask, other=0.0)
-    win = tl.load(win_ptrs[:, None] + taps[None, :] * stride_tap, mask=tap_mask & live, other=0.0)
+    win = tl.load(win_ptrs[:, None] + taps[None, :] * stride_tap, mask=mask_if(tap_mask, live), other=0.0)
     w_taps = tl.load(w_ptrs[:, None] + taps[None, :], mask=tap_mask, other=0.0)
     w_x = tl.load(w_ptrs + (W - 1), mask=mask, other=0.0)
     if HAS_BIAS:
@@ -111,9 +144,9 @@ def short_conv(x_ptrs, win_ptrs, w_ptrs, bias_ptrs, stride_tap, mask, live,
 def shift_window(win_ptrs, win, x, stride_tap, mask, store_mask, W: tl.constexpr, BLOCK_TAPS: tl.constexpr):
     """Store the window shifted by one token (``win``, ``x`` from ``short_conv``) where ``store_mask``."""
     taps = tl.arange(0, BLOCK_TAPS)
-    win_mask = (mask & store_mask)[:, None] & (taps[None, :] < W - 1)
+    win_mask = mask_if(mask, store_mask)[:, None] & (taps[None, :] < W - 1)
     tl.store(win_ptrs[:, None] + (taps[None, :] - 1) * stride_tap, win, mask=win_mask & (taps[None, :] >= 1))
-    tl.store(win_ptrs + (W - 2) * stride_tap, x.to(win_ptrs.dtype.element_ty), mask=mask & store_mask)
+    tl.store(win_ptrs + (W - 2) * stride_tap, x.to(win_ptrs.dtype.element_ty), mask=mask_if(mask, store_mask))
 
 
 @triton.jit

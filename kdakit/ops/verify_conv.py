@@ -16,6 +16,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
 from .launch import CachedKernel
+from .triton_math import mask_if, verify_request
 
 
 @triton.jit
@@ -23,7 +24,7 @@ def _conv_inputs(x, stride_x_t, window, stride_win_c, stride_win_w, ch, mask, li
     """Positions ``pos`` ([BLOCK_T, 1]) of the sequence [persistent window (W-1), x_0, x_1, ...]."""
     in_window = pos < W - 1
     from_window = tl.load(window + ch[None, :] * stride_win_c + pos * stride_win_w,
-                          mask=in_window & (mask & live)[None, :], other=0.0)
+                          mask=in_window & mask_if(mask, live)[None, :], other=0.0)
     x_pos = pos - (W - 1)
     from_x = tl.load(x + x_pos * stride_x_t + ch[None, :], mask=(x_pos >= 0) & (x_pos < T) & mask[None, :],
                      other=0.0)
@@ -46,7 +47,7 @@ def _conv_silu_steps(x, stride_x_t, window, stride_win_c, stride_win_w, weight, 
         acc += w[None, :] * tap
         if not WINDOW_RUNS and j >= 1:
             tl.store(dst + pos * stride_dst_t + ch[None, :] * (W - 1) + (j - 1), tap.to(dst.dtype.element_ty),
-                     mask=(pos < T) & (live & mask)[None, :])
+                     mask=(pos < T) & mask_if(mask, live)[None, :])
     if HAS_BIAS:
         acc += tl.load(bias + ch, mask=mask, other=0.0)[None, :]
     return acc * tl.sigmoid(acc)
@@ -67,7 +68,7 @@ def _store_windows(x, stride_x_t, window, stride_win_c, stride_win_w, c0, C, liv
     src = pos + 1 + (f % (W - 1))[None, :]
     vals = _conv_inputs(x, stride_x_t, window, stride_win_c, stride_win_w, c, valid, live, src, T, W)
     tl.store(dst + pos * stride_dst_t + c0 * (W - 1) + f[None, :], vals.to(dst.dtype.element_ty),
-             mask=(pos < T) & (valid & live)[None, :])
+             mask=(pos < T) & mask_if(valid, live)[None, :])
 
 
 @triton.jit
@@ -94,20 +95,19 @@ def _verify_conv_kernel(
     x_q, x_k, x_v, w_q, w_k, w_v, bias_q, bias_k, bias_v, cs_q, cs_k, cs_v, ic_q, ic_k, ic_v, post_q, post_k, post_v,
     slot_indices, scratch_indices,
     s_csq_slot, s_csq_c, s_csq_w, s_csk_slot, s_csk_c, s_csk_w, s_csv_slot, s_csv_c, s_csv_w,
-    s_icq_row, s_icq_t, s_ick_row, s_ick_t, s_icv_row, s_icv_t,
+    s_icq_row, s_icq_t, s_ick_row, s_ick_t, s_icv_row, s_icv_t, num_slots, num_rows,
     C_QK: tl.constexpr, C_V: tl.constexpr, T: tl.constexpr, W: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_F: tl.constexpr,
     HAS_BIAS: tl.constexpr, WINDOW_RUNS: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
 ):
     # One program: BLOCK_C channels of q, k or v (program_id 2) of one request, all steps.
-    # A padding row (slot < 0) reads no window and writes none; its post-conv tokens are
-    # never used (the recurrence writes zeros for it).
+    # A padding row (slot < 0, or a slot or scratch row past its buffer, as the recurrence
+    # kernels decide it too) reads no window and writes none; its post-conv tokens are never
+    # used (the recurrence writes zeros for it).
     i_c, i_n, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if LAUNCH_DEPENDENTS:  # the recurrence may start loading its state tiles now
         gdc_launch_dependents()
-    slot = tl.load(slot_indices + i_n).to(tl.int64)
-    row = tl.load(scratch_indices + i_n).to(tl.int64)
-    live = slot >= 0
+    slot, row, live = verify_request(slot_indices, scratch_indices, i_n, num_slots, num_rows, True)
     n64 = i_n.to(tl.int64)
     if part == 0:
         _conv_part(x_q, cs_q, w_q, bias_q, ic_q, post_q, s_csq_slot, s_csq_c, s_csq_w, s_icq_row, s_icq_t,
@@ -138,10 +138,11 @@ def window_runs(T: int) -> bool:
     return WINDOW_RUNS if WINDOW_RUNS is not None else T >= WINDOW_RUNS_FROM_STEPS
 
 
-def verify_conv(q, k, v, conv_weights, conv_bias, conv_states, intermediate_conv, slot_indices, scratch_indices, *,
-                launch_dependents=False):
+def verify_conv(q, k, v, conv_weights, conv_bias, conv_states, intermediate_conv, slot_indices, scratch_indices,
+                bounds, *, launch_dependents=False):
     """Post-conv ``(q, k, v)`` of every step (new tensors shaped like the inputs); the windows
-    after each step go to ``intermediate_conv[i][scratch_indices[n], t]``. ``launch_dependents``:
+    after each step go to ``intermediate_conv[i][scratch_indices[n], t]``. ``bounds = (slots,
+    scratch rows)``: rows whose slot or scratch row is outside them are padding. ``launch_dependents``:
     the next kernel, a programmatic dependent launch, may start early."""
     N, T, H, K = q.shape
     HV, V = v.shape[2:]
@@ -152,7 +153,7 @@ def verify_conv(q, k, v, conv_weights, conv_bias, conv_states, intermediate_conv
         (triton.cdiv(max(H * K, HV * V), BLOCK_C), N, 3),
         (q, k, v, *conv_weights, *bias, *conv_states, *intermediate_conv, *post, slot_indices, scratch_indices,
          *(cs.stride(d) for cs in conv_states for d in (0, 1, 2)),
-         *(ic.stride(d) for ic in intermediate_conv for d in (0, 1))),
+         *(ic.stride(d) for ic in intermediate_conv for d in (0, 1)), *bounds),
         dict(C_QK=H * K, C_V=HV * V, T=T, W=W, BLOCK_T=triton.next_power_of_2(T), BLOCK_C=BLOCK_C,
              BLOCK_F=triton.next_power_of_2(BLOCK_C * (W - 1)), HAS_BIAS=conv_bias is not None,
              WINDOW_RUNS=window_runs(T),
