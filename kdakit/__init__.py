@@ -9,8 +9,9 @@ from .ops.gated_rmsnorm import gated_rmsnorm  # noqa: E402
 from .ops.mtp_verify import mtp_verify  # noqa: E402
 from .ops.packed_decode import packed_decode  # noqa: E402
 from .ops.recurrent_forward import recurrent_forward  # noqa: E402
+from .ops.chunk_prefill import chunk_prefill  # noqa: E402
 from . import custom_ops  # noqa: E402  (torch.ops.kdakit.*: the public entries dispatch through them)
 
 __all__ = ["__version__", "backends", "contracts", "reference", "packed_decode", "fused_decode",
            "causal_conv1d_update", "gated_rmsnorm", "mtp_verify", "commit_ring", "commit_snapshots",
-           "recurrent_forward"]
+           "recurrent_forward", "chunk_prefill"]
