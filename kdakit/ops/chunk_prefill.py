@@ -168,14 +168,18 @@ def _chunk_prep_kernel(
     tl.store(ws_w + p_ck, G)
     tl.debug_barrier()
 
-    # ---- pairs inside one 16-token sub-block: exact decays, element-wise ----
+    # ---- A and P, one 16-row sub-block at a time ----
+    # Pairs inside the sub-block: exact decays, element-wise, over K in slices. Pairs with
+    # an earlier sub-block: factored at the boundary before this one (Γ_b, the last token
+    # of the previous sub-block), e^(Γ_s - Γ_b) · e^(Γ_b - Γ_r), both <= 1: one product.
     offs_s = tl.arange(0, 16)
     offs_j = tl.arange(0, SUB_K)
     causal = offs_s[:, None] >= offs_s[None, :]
+    blk = offs_c // 16
     for i in tl.static_range(NB):
+        rows = ws_row + i * 16 + offs_s
         acc_a = tl.zeros([16, 16], dtype=tl.float32)
         acc_p = tl.zeros([16, 16], dtype=tl.float32)
-        rows = ws_row + i * 16 + offs_s
         for kk in tl.static_range(0, BLOCK_K, SUB_K):
             p_sk = rows[:, None] * BLOCK_K + kk + offs_j[None, :]
             sk = tl.load(ws_k + p_sk)
@@ -186,34 +190,31 @@ def _chunk_prep_kernel(
             kr = sk[None, :, :] * e
             acc_a += tl.sum(sk[:, None, :] * kr, axis=2)
             acc_p += tl.sum(sq[:, None, :] * kr, axis=2)
-        acc_a = tl.where(offs_s[:, None] > offs_s[None, :], acc_a, 0.0)
-        p_blk = rows[:, None] * C + i * 16 + offs_s[None, :]
-        tl.store(ws_a + p_blk, acc_a)
-        tl.store(ws_p + p_blk, acc_p)
+        p_diag = rows[:, None] * C + i * 16 + offs_s[None, :]
+        tl.store(ws_a + p_diag, tl.where(offs_s[:, None] > offs_s[None, :], acc_a, 0.0))
+        tl.store(ws_p + p_diag, acc_p)
+        if i > 0:
+            p_rk = rows[:, None] * BLOCK_K + offs_k[None, :]
+            G_ref = tl.load(ws_w + (ws_row + i * 16 - 1) * BLOCK_K + offs_k)
+            left = tl.exp(tl.load(ws_w + p_rk) - G_ref[None, :])  # [16, BLOCK_K]
+            right = b_k * tl.exp(tl.where((blk < i)[:, None], G_ref[None, :] - G, float("-inf")))  # [C, BLOCK_K]
+            right_t = tl.trans(right)
+            off_a = tl.dot(tl.load(ws_k + p_rk) * left, right_t, input_precision=DOT_PRECISION)  # [16, C]
+            off_p = tl.dot(tl.load(ws_q + p_rk) * left, right_t, input_precision=DOT_PRECISION)
+            p_off = rows[:, None] * C + offs_c[None, :]
+            before = (offs_c < i * 16)[None, :] & (offs_s >= 0)[:, None]
+            tl.store(ws_a + p_off, off_a, mask=before)
+            tl.store(ws_p + p_off, off_p, mask=before)
     tl.debug_barrier()
+    lower = offs_c[:, None] > offs_c[None, :]
+    b_A = tl.load(ws_a + p_cc, mask=lower, other=0.0) * b_beta[:, None]
+    b_P = tl.load(ws_p + p_cc, mask=offs_c[:, None] >= offs_c[None, :], other=0.0)
+    tl.debug_barrier()
+    tl.store(ws_a + p_cc, b_A)  # β-scaled, for the block solve below
 
-    # ---- pairs across sub-blocks: factored at the boundary before the later sub-block ----
-    blk = offs_c // 16
-    same_blk = blk[:, None] == blk[None, :]
-    b_A = tl.load(ws_a + p_cc, mask=same_blk, other=0.0)
-    b_P = tl.load(ws_p + p_cc, mask=same_blk, other=0.0)
-    for i in tl.static_range(1, NB):
-        G_ref = _row(G, offs_c, i * 16 - 1)  # Γ at the last token before sub-block i
-        in_blk = (blk == i)[:, None] & mask_k[None, :]
-        before = (blk < i)[:, None] & mask_k[None, :]
-        left = tl.exp(tl.where(in_blk, G - G_ref[None, :], float("-inf")))  # rows of sub-block i, else 0
-        right = b_k * tl.exp(tl.where(before, G_ref[None, :] - G, float("-inf")))  # rows before it, else 0
-        b_A += tl.dot(b_k * left, tl.trans(right), input_precision=DOT_PRECISION)
-        b_P += tl.dot(b_q * left, tl.trans(right), input_precision=DOT_PRECISION)
-    b_A = b_A * b_beta[:, None]
-
-    # ---- T = (I + A)^-1 by forward substitution, row by row ----
-    eye = (offs_c[:, None] == offs_c[None, :]).to(tl.float32)
-    b_T = eye
-    for i in range(1, C):
-        a_i = _row(b_A, offs_c, i)  # [C], zero at columns >= i
-        new = tl.where(offs_c == i, 1.0, 0.0) - tl.sum(a_i[:, None] * b_T, axis=0)
-        b_T = tl.where(offs_c[:, None] == i, new[None, :], b_T)
+    # ---- T = (I + A)^-1: the 16 x 16 diagonal blocks by forward substitution (all at
+    # once), then the blocks below them row block by row block, from 16 x 16 products ----
+    b_T = _solve_unit_lower(ws_a, ws_p, ws_row, C, NB, DOT_PRECISION)
 
     # ---- w, u and the chunk's factors for the state chain ----
     G_last = _row(G, offs_c, C - 1)
@@ -222,13 +223,52 @@ def _chunk_prep_kernel(
     e_G = tl.exp(G)
     b_w = tl.dot(b_T, b_k * e_G * b_beta[:, None], input_precision=DOT_PRECISION)
     b_u = tl.dot(b_T, b_v * b_beta[:, None], input_precision=DOT_PRECISION)
-    tl.debug_barrier()  # every read of the q̂ / k̂ / Γ slices above is done before they are overwritten
+    b_qg = tl.load(ws_q + p_ck) * e_G
+    tl.debug_barrier()  # every read of the workspace above is done before it is overwritten
     tl.store(ws_w + p_ck, b_w)
-    tl.store(ws_q + p_ck, b_q * e_G)
+    tl.store(ws_q + p_ck, b_qg)
     tl.store(ws_k + p_ck, b_k * tl.exp(G_last[None, :] - G))
     tl.store(ws_u + (ws_row + offs_c)[:, None] * BLOCK_V + offs_v[None, :], b_u)
-    tl.store(ws_p + p_cc, tl.where(offs_c[:, None] >= offs_c[None, :], b_P, 0.0))
+    tl.store(ws_p + p_cc, b_P)
     tl.store(ws_g + (c64 * HV + i_hv) * BLOCK_K + offs_k, tl.exp(G_last))
+
+
+@triton.jit
+def _solve_unit_lower(ws_a, ws_t, ws_row, C: tl.constexpr, NB: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """``(I + A)^-1`` for the strictly lower-triangular ``A [C, C]`` at rows ``ws_row..`` of
+    ``ws_a``, using ``ws_t`` (same shape) as scratch; returns it as a register tile."""
+    offs_s = tl.arange(0, 16)
+    offs_c = tl.arange(0, C)
+    offs_b = tl.arange(0, NB)
+    # Diagonal blocks [NB, 16, 16], every block's row r at once.
+    p_d = (ws_row + offs_b[:, None, None] * 16 + offs_s[None, :, None]) * C \
+        + offs_b[:, None, None] * 16 + offs_s[None, None, :]
+    A_d = tl.load(ws_a + p_d)
+    row3 = offs_s[None, :, None] + offs_b[:, None, None] * 0
+    col2 = offs_s[None, :] + offs_b[:, None] * 0
+    inv = tl.where(row3 == offs_s[None, None, :], 1.0, 0.0)
+    for r in range(1, 16):
+        a_r = tl.sum(tl.where(row3 == r, A_d, 0.0), axis=1)  # [NB, 16]: row r of each block
+        new = tl.where(col2 == r, 1.0, 0.0) - tl.sum(a_r[:, :, None] * inv, axis=1)
+        inv = tl.where(row3 == r, new[:, None, :], inv)
+    tl.store(ws_t + p_d, inv)
+    tl.debug_barrier()
+    # Below the diagonal: T_ij = -T_ii Σ_{j<=m<i} A_im T_mj, row block by row block.
+    for i in tl.static_range(1, NB):
+        p_ii = (ws_row + i * 16 + offs_s[:, None]) * C + i * 16 + offs_s[None, :]
+        t_ii = tl.load(ws_t + p_ii)
+        for j in tl.static_range(0, i):
+            acc = tl.zeros([16, 16], dtype=tl.float32)
+            for m in tl.static_range(j, i):
+                a_im = tl.load(ws_a + (ws_row + i * 16 + offs_s[:, None]) * C + m * 16 + offs_s[None, :])
+                t_mj = tl.load(ws_t + (ws_row + m * 16 + offs_s[:, None]) * C + j * 16 + offs_s[None, :])
+                acc = tl.dot(a_im, t_mj, acc, input_precision=DOT_PRECISION)
+            t_ij = -tl.dot(t_ii, acc, input_precision=DOT_PRECISION)
+            tl.store(ws_t + (ws_row + i * 16 + offs_s[:, None]) * C + j * 16 + offs_s[None, :], t_ij)
+        tl.debug_barrier()
+    blk = offs_c // 16
+    return tl.load(ws_t + (ws_row + offs_c[:, None]) * C + offs_c[None, :],
+                   mask=blk[:, None] >= blk[None, :], other=0.0)
 
 
 @triton.jit
