@@ -358,7 +358,7 @@ def test_opcheck(case):
 
 def test_every_public_op_is_registered():
     public = {"packed_decode", "fused_decode", "causal_conv1d_update", "gated_rmsnorm", "mtp_verify",
-              "commit_snapshots", "commit_ring", "recurrent_forward"}
+              "commit_snapshots", "commit_ring", "recurrent_forward", "chunk_prefill"}
     assert set(custom_ops.OPS) == public
     for name in public:
         schema = getattr(torch.ops.kdakit, name).default._schema
