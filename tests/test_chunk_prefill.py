@@ -312,3 +312,52 @@ def test_custom_op_under_compile_matches_eager():
 def test_zz_print_errors():
     for name, err in ERRORS.items():
         print(f"{name}: rel err {err:.2e}")
+
+
+# ----------------------------------------------------------------------------
+# kdakit.compat.fla.chunk_kda (fla-core 0.6.0's signature)
+# ----------------------------------------------------------------------------
+@pytest.mark.parametrize("layout", ["k-major", "v-first"])
+def test_compat_chunk_kda_against_fla_naive(layout, monkeypatch):
+    from kdakit.compat.fla import chunk_kda
+    monkeypatch.setenv("KDAKIT_BACKEND", "triton")
+    H, HV, K, V = 1, 2, 16, 32
+    seqlens = [3, 70]
+    x, A_log, dt_bias, cu, _, T = make_case(H, HV, K, V, seqlens, seed=9)
+    gen = torch.Generator().manual_seed(10)
+    h0 = torch.randn(len(seqlens), HV, K, V, generator=gen) * 0.5  # K-major, fla's default
+    init = h0 if layout == "k-major" else h0.transpose(-1, -2).contiguous()
+    init_before = init.clone()
+    lb = -3.0 if layout == "v-first" else None
+    o, ht = chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=init, output_final_state=True,
+                      use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                      safe_gate=lb is not None, lower_bound=lb, state_v_first=layout == "v-first",
+                      cu_seqlens=cu.long(), A_log=A_log, dt_bias=dt_bias)
+    assert torch.equal(init, init_before), "fla's chunk_kda never writes initial_state"
+    g_log = fla_log_gate(x["g"], A_log, dt_bias, lb)
+    ref_out, _, finals = fla_varlen(x["q"], x["k"], x["v"], g_log, torch.sigmoid(x["beta"]), cu, list(h0),
+                                    use_qk_l2norm=True)
+    assert_close(o, ref_out, 1e-5, "o")
+    for n in range(len(seqlens)):
+        got = ht[n] if layout == "k-major" else ht[n].transpose(-1, -2)
+        assert_close(got, finals[n], 1e-5, f"final state {n}")
+
+
+def test_compat_chunk_kda_equal_length_batch_no_initial_state(monkeypatch):
+    from kdakit.compat.fla import chunk_kda
+    monkeypatch.setenv("KDAKIT_BACKEND", "triton")
+    H, HV, K, V = 1, 1, 16, 16
+    x, _, _, _, _, T = make_case(H, HV, K, V, [40], seed=11, raw_gate=False)  # log-decay g, beta in (0, 1)
+    x = {n: t.reshape(2, 20, *t.shape[2:]) for n, t in x.items()}
+    beta = torch.sigmoid(x["beta"])
+    o, ht = chunk_kda(x["q"], x["k"], x["v"], x["g"], beta, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    flat = {n: t.reshape(1, 40, *t.shape[2:]) for n, t in x.items()}
+    ref_out, _, finals = fla_varlen(flat["q"], flat["k"], flat["v"], flat["g"], beta.reshape(1, 40, HV),
+                                    torch.tensor([0, 20, 40]), [None, None], use_qk_l2norm=True)
+    assert_close(o.reshape(1, 40, HV, V), ref_out, 1e-5, "o")
+    for n in range(2):
+        assert_close(ht[n], finals[n], 1e-5, f"final state {n}")
+    with pytest.raises(ValueError, match="A_log` must be provided"):
+        chunk_kda(x["q"], x["k"], x["v"], x["g"], beta, use_gate_in_kernel=True)
+    with pytest.raises(ValueError, match="batch size is expected to be 1"):
+        chunk_kda(x["q"], x["k"], x["v"], x["g"], beta, cu_seqlens=torch.tensor([0, 20]))

@@ -64,7 +64,7 @@ from .triton_math import kda_log_decay
 CHUNK_SIZE = 64  # tokens per chunk on the GPU (prefix-cache boundaries come every CHUNK_SIZE tokens)
 SUB = 16  # sub-block of a chunk: the tensor-core tile and the unit of exact in-block decays
 
-BETA_AS_IS, BETA_SIGMOID = 0, 1
+BETA_AS_IS, BETA_SIGMOID, BETA_SIGMOID_X2 = 0, 1, 2  # β as given, sigmoid of a logit, 2·sigmoid (fla's allow_neg_eigval)
 
 
 @dataclass(frozen=True)
@@ -156,6 +156,8 @@ def _chunk_prep_kernel(
     b_g = tl.where(mask_ck, b_g, 0.0)  # rows past the chunk's tokens: no decay, so Γ_C is the last token's
     if BETA_MODE == 1:
         b_beta = tl.sigmoid(b_beta)
+    if BETA_MODE == 2:
+        b_beta = tl.sigmoid(b_beta) * 2.0
     b_beta = tl.where(mask_c, b_beta, 0.0)
     G = tl.cumsum(b_g, axis=0)  # [C, BLOCK_K], chunk-local, inclusive, <= 0 and non-increasing
 
@@ -420,6 +422,8 @@ def chunk_prefill_triton(q, k, v, g, beta, state, slot_indices, out, *, cu_seqle
 def chunk_prefill_reference(q, k, v, g, beta, state, slot_indices, out, *, cu_seqlens, scale, use_qk_l2norm, A_log,
                             dt_bias, lower_bound, beta_mode, has_initial_state, chunk_states, chunk_state_indices,
                             chunk_size=CHUNK_SIZE, compute_dtype=torch.float32):
+    if beta_mode == BETA_SIGMOID_X2:
+        beta, beta_mode = 2.0 * torch.sigmoid(beta.float()), BETA_AS_IS
     return reference.chunk_prefill(q, k, v, g, beta, state, slot_indices, out, cu_seqlens=cu_seqlens, scale=scale,
                                    use_qk_l2norm=use_qk_l2norm, A_log=A_log, dt_bias=dt_bias,
                                    lower_bound=lower_bound, beta_is_logit=beta_mode == BETA_SIGMOID,
