@@ -10,7 +10,8 @@ import sys
 
 EXPECTED = {"_packed_decode_kernel", "_fused_decode_kernel", "_causal_conv1d_update_kernel", "_gated_rmsnorm_kernel",
             "_mtp_verify_kernel", "_ring_verify_steps_kernel", "_ring_verify_state_kernel", "_verify_conv_kernel",
-            "_commit_ring_kernel", "_gather_copy_kernel", "_recurrent_forward_kernel"}
+            "_commit_ring_kernel", "_gather_copy_kernel", "_recurrent_forward_kernel",
+            "_chunk_prep_kernel", "_chunk_state_kernel"}
 
 
 def test_every_kernel_compiles_for_sm90():

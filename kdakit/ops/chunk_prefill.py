@@ -76,6 +76,7 @@ class ChunkConfig:
     prep_warps: int = 4
     state_warps: int = 4
     dot_precision: str = "tf32x3"    # "tf32x3", "ieee" or "tf32"
+    factor_safe_gate: bool = True    # safe gate: in-sub-block pairs factored too (|Γ| <= 16·5 = 80 there)
 
 
 def chunk_config(N: int, HV: int, K: int, V: int, chunk: int = CHUNK_SIZE) -> ChunkConfig:
@@ -114,7 +115,7 @@ def _chunk_prep_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, C: tl.constexpr, SUB_K: tl.constexpr,
     USE_QK_L2NORM: tl.constexpr, GATE_IN_KERNEL: tl.constexpr, SAFE_GATE: tl.constexpr,
-    BETA_MODE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BETA_MODE: tl.constexpr, DOT_PRECISION: tl.constexpr, FACTOR_DIAG: tl.constexpr,
 ):
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
@@ -180,33 +181,42 @@ def _chunk_prep_kernel(
     blk = offs_c // 16
     for i in tl.static_range(NB):
         rows = ws_row + i * 16 + offs_s
-        acc_a = tl.zeros([16, 16], dtype=tl.float32)
-        acc_p = tl.zeros([16, 16], dtype=tl.float32)
-        for kk in tl.static_range(0, BLOCK_K, SUB_K):
-            p_sk = rows[:, None] * BLOCK_K + kk + offs_j[None, :]
-            sk = tl.load(ws_k + p_sk)
-            sq = tl.load(ws_q + p_sk)
-            sg = tl.load(ws_w + p_sk)
-            d = sg[:, None, :] - sg[None, :, :]  # Γ_s - Γ_r, [16, 16, SUB_K]
-            e = tl.exp(tl.where(causal[:, :, None], d, float("-inf")))
-            kr = sk[None, :, :] * e
-            acc_a += tl.sum(sk[:, None, :] * kr, axis=2)
-            acc_p += tl.sum(sq[:, None, :] * kr, axis=2)
-        p_diag = rows[:, None] * C + i * 16 + offs_s[None, :]
-        tl.store(ws_a + p_diag, tl.where(offs_s[:, None] > offs_s[None, :], acc_a, 0.0))
-        tl.store(ws_p + p_diag, acc_p)
-        if i > 0:
+        if not FACTOR_DIAG:
+            acc_a = tl.zeros([16, 16], dtype=tl.float32)
+            acc_p = tl.zeros([16, 16], dtype=tl.float32)
+            for kk in tl.static_range(0, BLOCK_K, SUB_K):
+                p_sk = rows[:, None] * BLOCK_K + kk + offs_j[None, :]
+                sk = tl.load(ws_k + p_sk)
+                sq = tl.load(ws_q + p_sk)
+                sg = tl.load(ws_w + p_sk)
+                d = sg[:, None, :] - sg[None, :, :]  # Γ_s - Γ_r, [16, 16, SUB_K]
+                e = tl.exp(tl.where(causal[:, :, None], d, float("-inf")))
+                kr = sk[None, :, :] * e
+                acc_a += tl.sum(sk[:, None, :] * kr, axis=2)
+                acc_p += tl.sum(sq[:, None, :] * kr, axis=2)
+            p_diag = rows[:, None] * C + i * 16 + offs_s[None, :]
+            tl.store(ws_a + p_diag, tl.where(offs_s[:, None] > offs_s[None, :], acc_a, 0.0))
+            tl.store(ws_p + p_diag, acc_p)
+        if FACTOR_DIAG or i > 0:
+            # Columns before sub-block i (and, with FACTOR_DIAG, sub-block i itself).
             p_rk = rows[:, None] * BLOCK_K + offs_k[None, :]
-            G_ref = tl.load(ws_w + (ws_row + i * 16 - 1) * BLOCK_K + offs_k)
-            left = tl.exp(tl.load(ws_w + p_rk) - G_ref[None, :])  # [16, BLOCK_K]
-            right = b_k * tl.exp(tl.where((blk < i)[:, None], G_ref[None, :] - G, float("-inf")))  # [C, BLOCK_K]
-            right_t = tl.trans(right)
+            if i > 0:
+                G_ref = tl.load(ws_w + (ws_row + i * 16 - 1) * BLOCK_K + offs_k)
+            else:
+                G_ref = tl.zeros([BLOCK_K], dtype=tl.float32)
+            if FACTOR_DIAG:
+                n_cols = (i + 1) * 16
+            else:
+                n_cols = i * 16
+            left = tl.exp(tl.load(ws_w + p_rk) - G_ref[None, :])  # [16, BLOCK_K], <= 1
+            right = b_k * tl.exp(tl.where((offs_c < n_cols)[:, None], G_ref[None, :] - G, float("-inf")))
+            right_t = tl.trans(right)  # <= 1 before sub-block i; <= e^(16 |L|) inside it (FACTOR_DIAG)
             off_a = tl.dot(tl.load(ws_k + p_rk) * left, right_t, input_precision=DOT_PRECISION)  # [16, C]
             off_p = tl.dot(tl.load(ws_q + p_rk) * left, right_t, input_precision=DOT_PRECISION)
             p_off = rows[:, None] * C + offs_c[None, :]
-            before = (offs_c < i * 16)[None, :] & (offs_s >= 0)[:, None]
-            tl.store(ws_a + p_off, off_a, mask=before)
-            tl.store(ws_p + p_off, off_p, mask=before)
+            cols = (offs_c < n_cols)[None, :] & (offs_s >= 0)[:, None]
+            tl.store(ws_a + p_off, off_a, mask=cols)
+            tl.store(ws_p + p_off, off_p, mask=cols)
     tl.debug_barrier()
     lower = offs_c[:, None] > offs_c[None, :]
     b_A = tl.load(ws_a + p_cc, mask=lower, other=0.0) * b_beta[:, None]
@@ -397,7 +407,8 @@ def chunk_prefill_triton(q, k, v, g, beta, state, slot_indices, out, *, cu_seqle
          float(scale), float(lower_bound) if lower_bound is not None else 0.0),
         dict(H=H, HV=HV, K=K, V=V, BLOCK_K=BK, BLOCK_V=BVW, C=C, SUB_K=min(cfg.sub_k, BK),
              USE_QK_L2NORM=bool(use_qk_l2norm), GATE_IN_KERNEL=gate, SAFE_GATE=lower_bound is not None,
-             BETA_MODE=int(beta_mode), DOT_PRECISION=cfg.dot_precision),
+             BETA_MODE=int(beta_mode), DOT_PRECISION=cfg.dot_precision,
+             FACTOR_DIAG=lower_bound is not None and cfg.factor_safe_gate),
         num_warps=cfg.prep_warps, num_stages=1)
     has_cs = chunk_states is not None
     cs = chunk_states if has_cs else state
