@@ -102,20 +102,23 @@ def kdakit_call(layer, lower_bound, config=None):
                                         config=config)
 
 
-def fla_call(layer, lower_bound):
-    """fla's chunk_kda as an engine runs it on a V-major pool: gather, run, scatter back."""
+def fla_call(layer, lower_bound, use_graph=True):
+    """fla's chunk_kda as an engine runs it on a V-major pool: gather, run, scatter back.
+    ``use_graph``: fla's own CUDA-graph mode (its chunk list built on the device), so that
+    the call captures; fla-plain (False) plans on the host."""
     from fla.ops.kda import chunk_kda
     idx = layer["idx"].long()
     cu = layer["cu"].long()
     layer["fla_out"] = None
 
     def call():
-        h0 = layer["state"].index_select(0, idx)
+        h0 = layer["state"].index_select(0, idx).float()  # fla takes float32 initial states
         o, ht = chunk_kda(q=layer["q"], k=layer["k"], v=layer["v"], g=layer["g"], beta=layer["beta"],
                           A_log=layer["A_log"], dt_bias=layer["dt_bias"], initial_state=h0,
                           output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
                           use_beta_sigmoid_in_kernel=True, safe_gate=lower_bound is not None,
-                          lower_bound=lower_bound, state_v_first=True, cu_seqlens=cu)
+                          lower_bound=lower_bound, state_v_first=True, cu_seqlens=cu,
+                          **({"use_graph": True} if use_graph else {}))
         layer["state"].index_copy_(0, idx, ht.to(layer["state"].dtype))
         layer["fla_out"] = o
     return call
@@ -188,7 +191,12 @@ def correctness(results):
             layer["state"].copy_(before)
             if len(lens) > 2:  # fla has no padding rows: run it on the live sequences' slots only
                 layer["idx"][1], layer["idx"][2] = int(unused.nonzero()[0]), int(unused.nonzero()[1])
-            fla_call(layer, lb)()
+            try:
+                fla_call(layer, lb)()
+            except Exception as exc:  # noqa: BLE001  (fla's graph mode refused: its plain call)
+                row["fla_graph_mode_error"] = repr(exc)[:200]
+                layer["state"].copy_(before)
+                fla_call(layer, lb, use_graph=False)()
             torch.cuda.synchronize()
             fo = layer["fla_out"]
             keep = torch.ones(fo.shape[1], dtype=torch.bool, device=DEV)
@@ -234,20 +242,30 @@ def timings(results, names, sweep):
             base = {"case": name, "T": T, "N": len(lens), "H": H, "HV": HV, "gate": "safe" if lb else "softplus"}
             variants = [("kdakit", lambda layer: kdakit_call(layer, lb))]
             if sweep:
-                for cfg in (ChunkConfig(chunk=64, block_v=32), ChunkConfig(chunk=64, block_v=64),
-                            ChunkConfig(chunk=32, block_v=32, prep_warps=4), ChunkConfig(chunk=32, block_v=64, prep_warps=4),
-                            ChunkConfig(chunk=64, block_v=32, dot_precision="tf32"),
-                            ChunkConfig(chunk=64, block_v=64, dot_precision="tf32")):
-                    variants.append((f"kdakit-{cfg.chunk}-{cfg.block_v}-{cfg.dot_precision}",
+                sweep_cfgs = [ChunkConfig(chunk=64, block_v=bv, state_warps=w) for bv in (32, 64) for w in (4, 8)]
+                sweep_cfgs += [ChunkConfig(chunk=32, block_v=bv, prep_warps=4) for bv in (32, 64)]
+                sweep_cfgs += [ChunkConfig(chunk=64, block_v=32, prep_warps=4),
+                               ChunkConfig(chunk=64, block_v=32, dot_precision="tf32"),
+                               ChunkConfig(chunk=64, block_v=64, dot_precision="tf32")]
+                if lb is not None:
+                    sweep_cfgs.append(ChunkConfig(chunk=64, block_v=32, factor_safe_gate=False))
+                for cfg in sweep_cfgs:
+                    variants.append((f"kdakit-c{cfg.chunk}-bv{cfg.block_v}-pw{cfg.prep_warps}-sw{cfg.state_warps}"
+                                     f"-{cfg.dot_precision}{'' if cfg.factor_safe_gate else '-exactdiag'}",
                                      lambda layer, cfg=cfg: kdakit_call(layer, lb, cfg)))
             variants.append(("fla", lambda layer: fla_call(layer, lb)))
+            variants.append(("fla-plain", lambda layer: fla_call(layer, lb, use_graph=False)))
+            fla_ok = False
             for vname, make in variants:
+                if vname == "fla-plain" and fla_ok:
+                    continue  # fla's graph mode ran: its plain call only when that failed
                 try:
                     us, how = timed([make(layer) for layer in layers])
                 except Exception as exc:  # noqa: BLE001
                     results["rows"].append({"name": vname, **base, "error": repr(exc)[:300]})
                     print(vname, base, repr(exc)[:300], flush=True)
                     continue
+                fla_ok = fla_ok or vname == "fla"
                 ms = us / 1e3
                 tflops = flops_per_token_head(K, V) * T * HV / (us * 1e-6) / 1e12
                 r = {"name": vname, **base, "ms": round(ms, 4), "tokens_per_s": round(T / (us * 1e-6)),
