@@ -242,7 +242,7 @@ def timings(results, names, sweep):
             base = {"case": name, "T": T, "N": len(lens), "H": H, "HV": HV, "gate": "safe" if lb else "softplus"}
             variants = [("kdakit", lambda layer: kdakit_call(layer, lb))]
             if sweep:
-                sweep_cfgs = [ChunkConfig(chunk=64, block_v=bv, state_warps=w) for bv in (32, 64) for w in (4, 8)]
+                sweep_cfgs = [ChunkConfig(chunk=64, block_v=bv, state_warps=w) for bv in (16, 32, 64) for w in (4, 8)]
                 sweep_cfgs += [ChunkConfig(chunk=32, block_v=bv, prep_warps=4) for bv in (32, 64)]
                 sweep_cfgs += [ChunkConfig(chunk=64, block_v=32, prep_warps=4),
                                ChunkConfig(chunk=64, block_v=32, dot_precision="tf32"),

@@ -80,12 +80,18 @@ class ChunkConfig:
 
 
 def chunk_config(N: int, HV: int, K: int, V: int, chunk: int = CHUNK_SIZE) -> ChunkConfig:
-    """Pinned from shapes (no autotuning in a serving call): V tiles of 64 rows when
-    (sequence, head) pairs alone fill the GPU, 32 rows otherwise (a long single sequence
-    needs more programs in its serial chain)."""
-    bv_max = triton.next_power_of_2(max(V, 16))
-    block_v = min(bv_max, 64 if N * HV >= 128 else 32)
-    block_v = max(block_v, 16)
+    """Pinned from shapes (no autotuning in a serving call). The state kernel's V tile: the
+    widest of 64 / 32 / 16 rows that still gives about two programs per SM of an H200
+    (132 SMs) in the serial chain (a long sequence with few heads needs narrow tiles to
+    fill the GPU; many sequences reread the chunk's factors fewer times with wide ones).
+    Not yet swept on the GPU: benchmarks/bench_chunk_prefill.py --sweep."""
+    bv_max = max(16, triton.next_power_of_2(V))
+    block_v = 16
+    for bv in (64, 32):
+        if N * HV * triton.cdiv(V, bv) >= 264:
+            block_v = bv
+            break
+    block_v = min(block_v, bv_max)
     sub_k = min(32, triton.next_power_of_2(max(K, 16)))
     return ChunkConfig(chunk=chunk, block_v=block_v, sub_k=sub_k,
                        prep_warps=4 if chunk <= 32 else 8, state_warps=4)
@@ -476,8 +482,8 @@ def chunk_prefill(q, k, v, g, beta, state, slot_indices, *, cu_seqlens=None, A_l
     """
     if out is None:
         out = torch.zeros_like(v) if v.dim() == 4 else v.new_zeros(0)
-    if cu_seqlens is None and q.dim() == 4:
-        cu_seqlens = torch.tensor([0, q.shape[1]], dtype=torch.int32, device=q.device)
+    if cu_seqlens is None and q.dim() == 4:  # one sequence (a kernel, not a host copy: capturable)
+        cu_seqlens = torch.arange(2, dtype=torch.int32, device=q.device) * q.shape[1]
     contracts.check_chunk_prefill(q, k, v, g, beta, state, slot_indices, out, cu_seqlens=cu_seqlens, A_log=A_log,
                                   dt_bias=dt_bias, lower_bound=lower_bound, has_initial_state=has_initial_state,
                                   chunk_states=chunk_states, chunk_state_indices=chunk_state_indices,
