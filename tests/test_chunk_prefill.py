@@ -20,6 +20,7 @@ from helpers import POISON, assert_close, kda_params, rel_err
 F64 = torch.float64
 IEEE16 = ChunkConfig(chunk=16, block_v=16, sub_k=16, dot_precision="ieee")
 IEEE32 = ChunkConfig(chunk=32, block_v=16, sub_k=16, dot_precision="ieee")
+IEEE16P = ChunkConfig(chunk=16, block_v=16, sub_k=16, dot_precision="ieee", prefetch=True)  # next chunk ahead
 ERRORS = {}  # measured relative errors, printed by the last test (pytest -s)
 
 
@@ -191,7 +192,7 @@ def test_padding_out_of_range_slots_initial_state_mix_interleaved_pool():
     before_storage = storage(state).clone()
     ref_out, ref_pool, _ = ref64(x, A_log, dt_bias, cu, state, idx, has_initial_state=has_init)
     out = torch.full((1, T, HV, V), POISON)
-    run_triton(x, A_log, dt_bias, cu, state, idx, out, IEEE16, has_initial_state=has_init)
+    run_triton(x, A_log, dt_bias, cu, state, idx, out, IEEE16P, has_initial_state=has_init)
     covered = int(cu[-1])
     assert_close(out[:, :covered], ref_out[:, :covered], 1e-5, "out")
     assert (out[0, int(cu[1]):int(cu[2])] == 0).all(), "padding rows are zero"
@@ -223,7 +224,7 @@ def test_chunk_boundary_states():
     _, ref_pool, ref_scratch = ref64(x, A_log, dt_bias, cu, state, idx, chunk_states=scratch,
                                      chunk_state_indices=rows, chunk_size=16)
     out = torch.zeros(1, T, HV, V)
-    run_triton(x, A_log, dt_bias, cu, state, idx, out, IEEE16, chunk_states=scratch, chunk_state_indices=rows)
+    run_triton(x, A_log, dt_bias, cu, state, idx, out, IEEE16P, chunk_states=scratch, chunk_state_indices=rows)
     # seq 0 (40 tokens): boundaries after 16 -> row 0, after 32 -> row 17 (skipped); seq 1 (16): row 4
     # (its final state); seq 2 (5 tokens): none; seq 3 is a padding row: nothing.
     for r in (0, 4):

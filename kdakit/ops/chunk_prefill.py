@@ -76,6 +76,7 @@ class ChunkConfig:
     prep_warps: int = 4
     state_warps: int = 4
     dot_precision: str = "tf32x3"    # "tf32x3", "ieee" or "tf32"
+    prefetch: bool = False           # state kernel: load the next chunk's factors during this one's products
     factor_safe_gate: bool = True    # safe gate: in-sub-block pairs factored too (|Γ| <= 16·5 = 80 there)
 
 
@@ -290,6 +291,26 @@ def _solve_unit_lower(ws_a, ws_t, ws_row, C: tl.constexpr, NB: tl.constexpr, DOT
 
 
 @triton.jit
+def _chunk_factors(ws_q, ws_k, ws_w, ws_u, ws_p, ws_g, c, ok, i_hv, offs_c, offs_k, offs_v,
+                   HV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V_WS: tl.constexpr, C: tl.constexpr):
+    """Chunk ``c``'s factors for one value head (zeros where not ``ok``: past the sequence,
+    maybe past the workspace): w, u (this program's V columns), q̂ e^Γ, k̂ e^(Γ_C - Γ), P, e^Γ_C."""
+    ws_row = (tl.where(ok, c, 0) * HV + i_hv) * C
+    p_ck = (ws_row + offs_c)[:, None] * BLOCK_K + offs_k[None, :]
+    m_ck = _bcast(ok, p_ck)
+    b_w = tl.load(ws_w + p_ck, mask=m_ck, other=0.0)
+    p_u = (ws_row + offs_c)[:, None] * BLOCK_V_WS + offs_v[None, :]
+    b_u = tl.load(ws_u + p_u, mask=_bcast(ok, p_u), other=0.0)
+    b_qg = tl.load(ws_q + p_ck, mask=m_ck, other=0.0)
+    b_kd = tl.load(ws_k + p_ck, mask=m_ck, other=0.0)
+    p_p = (ws_row + offs_c)[:, None] * C + offs_c[None, :]
+    b_P = tl.load(ws_p + p_p, mask=_bcast(ok, p_p), other=0.0)
+    p_g = (tl.where(ok, c, 0) * HV + i_hv) * BLOCK_K + offs_k
+    e_last = tl.load(ws_g + p_g, mask=_bcast(ok, p_g), other=0.0)
+    return b_w, b_u, b_qg, b_kd, b_P, e_last
+
+
+@triton.jit
 def _chunk_state_kernel(
     out, state, slot_indices, has_initial, cu_seqlens, chunk_first,
     ws_q, ws_k, ws_w, ws_u, ws_p, ws_g, chunk_states, chunk_state_idx,
@@ -299,6 +320,7 @@ def _chunk_state_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_V_WS: tl.constexpr, BLOCK_V: tl.constexpr, C: tl.constexpr,
     HAS_INITIAL_FLAGS: tl.constexpr, HAS_CHUNK_STATES: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     i_v, i_hv, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n64 = i_n.to(tl.int64)
@@ -323,26 +345,31 @@ def _chunk_state_kernel(
     c_first = tl.load(chunk_first + n64).to(tl.int64)
     c_end = tl.load(chunk_first + n64 + 1).to(tl.int64)
     c = c_first
+    if PREFETCH:  # the first chunk's factors (none when the sequence is empty)
+        b_w, b_u, b_qg, b_kd, b_P, e_last = _chunk_factors(ws_q, ws_k, ws_w, ws_u, ws_p, ws_g, c, c < c_end, i_hv,
+                                                           offs_c, offs_k, offs_v, HV, BLOCK_K, BLOCK_V_WS, C)
     while c < c_end:
         t0 = bos + (c - c_first) * C
         tok = t0 + offs_c
-        ws_row = (c * HV + i_hv) * C
-        p_ck = (ws_row + offs_c)[:, None] * BLOCK_K + offs_k[None, :]
-        b_w = tl.load(ws_w + p_ck)
-        b_u = tl.load(ws_u + (ws_row + offs_c)[:, None] * BLOCK_V_WS + offs_v[None, :])
-        b_qg = tl.load(ws_q + p_ck)
-        b_kd = tl.load(ws_k + p_ck)
-        b_P = tl.load(ws_p + (ws_row + offs_c)[:, None] * C + offs_c[None, :])
-        e_last = tl.load(ws_g + (c * HV + i_hv) * BLOCK_K + offs_k)
+        if PREFETCH:
+            # This chunk's factors were loaded one step ahead; load the next chunk's now, so
+            # that their latency overlaps this chunk's products.
+            w_c, u_c, qg_c, kd_c, P_c, g_c = b_w, b_u, b_qg, b_kd, b_P, e_last
+            b_w, b_u, b_qg, b_kd, b_P, e_last = _chunk_factors(ws_q, ws_k, ws_w, ws_u, ws_p, ws_g, c + 1,
+                                                               c + 1 < c_end, i_hv, offs_c, offs_k, offs_v,
+                                                               HV, BLOCK_K, BLOCK_V_WS, C)
+        else:
+            w_c, u_c, qg_c, kd_c, P_c, g_c = _chunk_factors(ws_q, ws_k, ws_w, ws_u, ws_p, ws_g, c, c < c_end, i_hv,
+                                                            offs_c, offs_k, offs_v, HV, BLOCK_K, BLOCK_V_WS, C)
         St = tl.trans(S)  # [BLOCK_K, BLOCK_V]
-        b_U = b_u - tl.dot(b_w, St, input_precision=DOT_PRECISION)  # [C, BLOCK_V]
-        b_o = tl.dot(b_qg, St, input_precision=DOT_PRECISION)
-        b_o = tl.dot(b_P, b_U, b_o, input_precision=DOT_PRECISION)
+        b_U = u_c - tl.dot(w_c, St, input_precision=DOT_PRECISION)  # [C, BLOCK_V]
+        b_o = tl.dot(qg_c, St, input_precision=DOT_PRECISION)
+        b_o = tl.dot(P_c, b_U, b_o, input_precision=DOT_PRECISION)
         b_o = tl.where(live, b_o, 0.0)
         tl.store(out + tok[:, None] * stride_o_t + i_hv * stride_o_h + offs_v[None, :],
                  b_o.to(out.dtype.element_ty), mask=(tok < eos)[:, None] & mask_v[None, :])
-        S = S * e_last[None, :]
-        S = tl.dot(tl.trans(b_U), b_kd, S, input_precision=DOT_PRECISION)  # [BLOCK_V, BLOCK_K]
+        S = S * g_c[None, :]
+        S = tl.dot(tl.trans(b_U), kd_c, S, input_precision=DOT_PRECISION)  # [BLOCK_V, BLOCK_K]
         if HAS_CHUNK_STATES:
             # The state after the sequence's first (j+1)*C tokens, when it has that many.
             j = c - c_first
@@ -430,7 +457,7 @@ def chunk_prefill_triton(q, k, v, g, beta, state, slot_indices, out, *, cu_seqle
          ci.stride(0), ci.stride(1) if has_cs else 0, ci_cols),
         dict(H=H, HV=HV, K=K, V=V, BLOCK_K=BK, BLOCK_V_WS=BVW, BLOCK_V=block_v, C=C,
              HAS_INITIAL_FLAGS=has_initial_state is not None, HAS_CHUNK_STATES=has_cs,
-             DOT_PRECISION=cfg.dot_precision),
+             DOT_PRECISION=cfg.dot_precision, PREFETCH=cfg.prefetch),
         num_warps=cfg.state_warps, num_stages=1)
     return out
 
