@@ -366,3 +366,23 @@ def test_compat_chunk_kda_equal_length_batch_no_initial_state(monkeypatch):
         chunk_kda(x["q"], x["k"], x["v"], x["g"], beta, use_gate_in_kernel=True)
     with pytest.raises(ValueError, match="batch size is expected to be 1"):
         chunk_kda(x["q"], x["k"], x["v"], x["g"], beta, cu_seqlens=torch.tensor([0, 20]))
+
+
+def test_offsets_past_the_inputs_read_nothing_outside():
+    """Default checks do not read cu_seqlens; offsets beyond T (or falling) must still keep
+    every access inside the buffers: the inputs here are views into NaN-padded storage, so
+    a read past token T would show up as NaN."""
+    H, HV, K, V = 1, 1, 16, 16
+    x, A_log, dt_bias, _, state, T = make_case(H, HV, K, V, [40], seed=12, slots=3)
+    padded = {}
+    for n, t in x.items():
+        big = torch.full((1, T + 40, *t.shape[2:]), float("nan"))
+        big[:, :T] = t
+        padded[n] = big[:, :T]
+    cu = torch.tensor([0, 30, 10, 500], dtype=torch.int32)  # falls, then runs past T = 40
+    idx = torch.tensor([0, 1, 2], dtype=torch.int32)
+    out = torch.zeros(1, T + 40, HV, V)[:, :T]
+    run_triton(padded, A_log, dt_bias, cu, state, idx, out, IEEE16)
+    assert torch.isfinite(out).all() and torch.isfinite(state).all()
+    storage_out = torch.as_strided(out, (T + 40, HV * V), (HV * V, 1))
+    assert (storage_out[T:] == 0).all(), "nothing written past token T"

@@ -115,7 +115,7 @@ def _row(x, offs, i):
 def _chunk_prep_kernel(
     q, k, v, g, beta, A_log, dt_bias, cu_seqlens, chunk_first, chunk_seq,
     ws_q, ws_k, ws_w, ws_u, ws_p, ws_a, ws_g,
-    num_seqs,
+    num_seqs, T,
     stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_g_t, stride_g_h,
     stride_b_t, stride_b_h,
     scale, lower_bound,
@@ -132,8 +132,10 @@ def _chunk_prep_kernel(
     seq = tl.load(chunk_seq + i_c).to(tl.int64)
     valid = seq < num_seqs
     seq_c = tl.minimum(seq, num_seqs - 1)
-    bos = tl.load(cu_seqlens + seq_c).to(tl.int64)
-    eos = tl.load(cu_seqlens + seq_c + 1).to(tl.int64)
+    # Offsets clamped into [0, T] (and eos >= bos), as the plan does: no token outside the
+    # inputs is read whatever cu_seqlens holds (full-check mode rejects such offsets).
+    bos = tl.minimum(tl.maximum(tl.load(cu_seqlens + seq_c).to(tl.int64), 0), T)
+    eos = tl.maximum(tl.minimum(tl.maximum(tl.load(cu_seqlens + seq_c + 1).to(tl.int64), 0), T), bos)
     t0 = bos + (c64 - tl.load(chunk_first + seq_c).to(tl.int64)) * C
     n_tok = tl.where(valid, tl.minimum(eos - t0, C), 0)
 
@@ -314,7 +316,7 @@ def _chunk_factors(ws_q, ws_k, ws_w, ws_u, ws_p, ws_g, c, ok, i_hv, offs_c, offs
 def _chunk_state_kernel(
     out, state, slot_indices, has_initial, cu_seqlens, chunk_first,
     ws_q, ws_k, ws_w, ws_u, ws_p, ws_g, chunk_states, chunk_state_idx,
-    num_slots, num_chunk_slots,
+    num_slots, num_chunk_slots, T, max_chunks,
     stride_o_t, stride_o_h, stride_s_slot, stride_s_h, stride_s_v, stride_s_k,
     stride_cs_slot, stride_cs_h, stride_cs_v, stride_cs_k, stride_ci_n, stride_ci_j, chunk_idx_cols,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -340,10 +342,10 @@ def _chunk_state_kernel(
         + offs_v[:, None] * stride_s_v + offs_k[None, :] * stride_s_k
     S = tl.load(p_state, mask=mask_s & _bcast(read, mask_s), other=0.0).to(tl.float32)  # [BLOCK_V, BLOCK_K]
 
-    bos = tl.load(cu_seqlens + n64).to(tl.int64)
-    eos = tl.load(cu_seqlens + n64 + 1).to(tl.int64)
+    bos = tl.minimum(tl.maximum(tl.load(cu_seqlens + n64).to(tl.int64), 0), T)
+    eos = tl.maximum(tl.minimum(tl.maximum(tl.load(cu_seqlens + n64 + 1).to(tl.int64), 0), T), bos)
     c_first = tl.load(chunk_first + n64).to(tl.int64)
-    c_end = tl.load(chunk_first + n64 + 1).to(tl.int64)
+    c_end = tl.minimum(tl.load(chunk_first + n64 + 1).to(tl.int64), max_chunks)  # never past the workspace
     c = c_first
     if PREFETCH:  # the first chunk's factors (none when the sequence is empty)
         b_w, b_u, b_qg, b_kd, b_P, e_last = _chunk_factors(ws_q, ws_k, ws_w, ws_u, ws_p, ws_g, c, c < c_end, i_hv,
@@ -388,11 +390,14 @@ _chunk_prep = CachedKernel(_chunk_prep_kernel)
 _chunk_state = CachedKernel(_chunk_state_kernel)
 
 
-def chunk_plan(cu_seqlens: torch.Tensor, chunk: int, max_chunks: int):
+def chunk_plan(cu_seqlens: torch.Tensor, chunk: int, max_chunks: int, T: int | None = None):
     """On the device, no sync: ``chunk_first [N+1]`` (the first global chunk of each
     sequence; ``chunk_first[N]`` is the chunk count) and ``chunk_seq [max_chunks]`` (the
-    sequence of each global chunk; ``N`` for chunks past the end), int32."""
+    sequence of each global chunk; ``N`` for chunks past the end), int32. Offsets are
+    clamped into ``[0, T]`` as the kernels clamp them."""
     cu = cu_seqlens.to(torch.int64)
+    if T is not None:
+        cu = cu.clamp(0, T)
     lens = (cu[1:] - cu[:-1]).clamp_min(0)
     first = torch.zeros(cu.numel(), dtype=torch.int64, device=cu.device)
     torch.cumsum((lens + chunk - 1) // chunk, 0, out=first[1:])
@@ -420,7 +425,7 @@ def chunk_prefill_triton(q, k, v, g, beta, state, slot_indices, out, *, cu_seqle
     BK = triton.next_power_of_2(max(K, 16))
     BVW = triton.next_power_of_2(max(V, 16))
     max_chunks = max_chunks_for(T, N, C)
-    first, seq = chunk_plan(cu_seqlens, C, max_chunks)
+    first, seq = chunk_plan(cu_seqlens, C, max_chunks, T)
     dev = q.device
     rows = max_chunks * HV * C
     ws_q = torch.empty(rows, BK, dtype=torch.float32, device=dev)
@@ -434,7 +439,7 @@ def chunk_prefill_triton(q, k, v, g, beta, state, slot_indices, out, *, cu_seqle
     _chunk_prep(
         (max_chunks, HV),
         (q, k, v, g, beta, A_log if gate else q, dt_bias if gate else q, cu_seqlens, first, seq,
-         ws_q, ws_k, ws_w, ws_u, ws_p, ws_a, ws_g, N,
+         ws_q, ws_k, ws_w, ws_u, ws_p, ws_a, ws_g, N, T,
          q.stride(1), q.stride(2), k.stride(1), k.stride(2), v.stride(1), v.stride(2), g.stride(1), g.stride(2),
          beta.stride(1), beta.stride(2),
          float(scale), float(lower_bound) if lower_bound is not None else 0.0),
@@ -452,7 +457,7 @@ def chunk_prefill_triton(q, k, v, g, beta, state, slot_indices, out, *, cu_seqle
         (triton.cdiv(V, block_v), HV, N),
         (out, state, slot_indices, has_initial_state if has_initial_state is not None else slot_indices,
          cu_seqlens, first, ws_q, ws_k, ws_w, ws_u, ws_p, ws_g, cs, ci,
-         state.shape[0], cs.shape[0],
+         state.shape[0], cs.shape[0], T, max_chunks,
          out.stride(1), out.stride(2), *state.stride(), *cs.stride(),
          ci.stride(0), ci.stride(1) if has_cs else 0, ci_cols),
         dict(H=H, HV=HV, K=K, V=V, BLOCK_K=BK, BLOCK_V_WS=BVW, BLOCK_V=block_v, C=C,
