@@ -18,13 +18,16 @@ and queries:
 - state chain: ``U = u - w S0ᵀ``; ``o = (q̂ ⊙ e^Γ) S0ᵀ + P U``;
   ``S = S0 diag(e^Γ_C) + Uᵀ (k̂ ⊙ e^(Γ_C - Γ))``.
 
-Every exponent that is formed is <= 0, so nothing overflows whatever the gate (the
+Every exponent that is formed is <= 0 (but see the safe gate below), so nothing overflows whatever the gate (the
 default gate's log-decay is unbounded below): the pair sums ``A`` and ``P`` are never
 factored as ``(k̂ e^Γ)(k̂ e^-Γ)`` over a chunk. The chunk is cut into sub-blocks of 16
 tokens; a pair in two different sub-blocks is factored at the boundary before the later
 sub-block, ``e^(Γ_s - Γ_b) · e^(Γ_b - Γ_r)`` (both factors <= 1, one tensor-core product
 per sub-block row), and a pair inside one sub-block takes its exact decay
-``e^(Γ_s - Γ_r)`` element by element (no product, no factoring).
+``e^(Γ_s - Γ_r)`` element by element (no product, no factoring). Under the safe gate
+(``|g| < 5``, so ``|Γ_s - Γ_r| < 80`` inside a sub-block, ``e^80`` a float32 normal) the
+in-sub-block pairs are factored too, in the same 16 x C product
+(``ChunkConfig.factor_safe_gate``); that is the one place an exponent is positive.
 
 Two kernels:
 1. ``_chunk_prep_kernel``, one program per (chunk, value head), token-parallel: L2 norm,
@@ -33,12 +36,13 @@ Two kernels:
 2. ``_chunk_state_kernel``, one program per (sequence, value head, V tile), serial over
    the sequence's chunks with the state tile in float32 registers: outputs and the
    state update above; the final state written back in place (and optionally the state
-   after every ``C`` tokens into scratch slots: prefix caching).
+   after every ``C`` tokens into scratch slots: prefix caching). With
+   ``ChunkConfig.prefetch`` the next chunk's factors are loaded during this chunk's products.
 
 Matrix products use ``tl.dot`` with ``input_precision="tf32x3"`` by default (three-pass
 TF32: float32-level accuracy on tensor cores); ``ChunkConfig.dot_precision`` takes
 ``"ieee"`` (exact float32 FMA) or ``"tf32"`` too. The in-sub-block pair sums, the
-cumulative sums and the forward substitution are float32 element-wise arithmetic.
+cumulative sums and the 16 x 16 forward substitutions are float32 element-wise arithmetic.
 
 The chunk plan (which global chunk belongs to which sequence) is built on the device
 from ``cu_seqlens`` by a few torch ops (no ``.item()``, no host sync), for
