@@ -89,14 +89,18 @@ def chunk_config(N: int, HV: int, K: int, V: int, chunk: int = CHUNK_SIZE) -> Ch
     widest of 64 / 32 / 16 rows that still gives about two programs per SM of an H200
     (132 SMs) in the serial chain (a long sequence with few heads needs narrow tiles to
     fill the GPU; many sequences reread the chunk's factors fewer times with wide ones).
+    Head dims above 128 take 32-token chunks and V tiles of at most 32 rows.
     Not yet swept on the GPU: benchmarks/bench_chunk_prefill.py --sweep."""
+    wide = max(K, V) > 128  # head dims up to 256: 32-token chunks and V tiles of <= 32 rows keep tiles in budget
+    if wide:
+        chunk = min(chunk, 32)
     bv_max = max(16, triton.next_power_of_2(V))
     block_v = 16
     for bv in (64, 32):
         if N * HV * triton.cdiv(V, bv) >= 264:
             block_v = bv
             break
-    block_v = min(block_v, bv_max)
+    block_v = min(block_v, bv_max, 32 if wide else 64)
     sub_k = min(32, triton.next_power_of_2(max(K, 16)))
     return ChunkConfig(chunk=chunk, block_v=block_v, sub_k=sub_k,
                        prep_warps=4 if chunk <= 32 else 8, state_warps=4)
