@@ -69,12 +69,13 @@ def ref64(x, A_log, dt_bias, cu, state, idx, *, lower_bound=None, has_initial_st
 
 
 def run_triton(x, A_log, dt_bias, cu, state, idx, out, config, *, lower_bound=None, has_initial_state=None,
-               chunk_states=None, chunk_state_indices=None):
+               chunk_states=None, chunk_state_indices=None, interval=None):
     K = x["q"].shape[-1]
     return chunk_prefill_triton(x["q"], x["k"], x["v"], x["g"], x["beta"], state, idx, out, cu_seqlens=cu,
                                 scale=K ** -0.5, use_qk_l2norm=True, A_log=A_log, dt_bias=dt_bias,
                                 lower_bound=lower_bound, beta_mode=BETA_SIGMOID, has_initial_state=has_initial_state,
-                                chunk_states=chunk_states, chunk_state_indices=chunk_state_indices, config=config)
+                                chunk_states=chunk_states, chunk_state_indices=chunk_state_indices, config=config,
+                                chunk_state_interval=interval or config.chunk)
 
 
 def storage(state):
@@ -225,6 +226,16 @@ def test_chunk_boundary_states():
                                      chunk_state_indices=rows, chunk_size=16)
     out = torch.zeros(1, T, HV, V)
     run_triton(x, A_log, dt_bias, cu, state, idx, out, IEEE16P, chunk_states=scratch, chunk_state_indices=rows)
+    # Every 32 tokens from 16-token chunks: only the state after token 32 of sequence 0.
+    scratch32 = torch.full((6, HV, V, K), POISON)
+    rows32 = torch.tensor([[2, 3], [-1, -1], [-1, -1], [5, 5]], dtype=torch.int32)
+    state32 = state.clone()
+    _, _, ref32 = ref64(x, A_log, dt_bias, cu, state32, idx, chunk_states=scratch32, chunk_state_indices=rows32,
+                        chunk_size=32)
+    run_triton(x, A_log, dt_bias, cu, state32, idx, out, IEEE16, chunk_states=scratch32, chunk_state_indices=rows32,
+               interval=32)
+    assert_close(scratch32[2], ref32[2], 1e-5, "every 32 tokens: row 2")
+    assert torch.equal(scratch32[[0, 1, 3, 4, 5]], torch.full((5, HV, V, K), POISON)), "only row 2 is a boundary"
     # seq 0 (40 tokens): boundaries after 16 -> row 0, after 32 -> row 17 (skipped); seq 1 (16): row 4
     # (its final state); seq 2 (5 tokens): none; seq 3 is a padding row: nothing.
     for r in (0, 4):

@@ -330,7 +330,7 @@ def _chunk_state_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_V_WS: tl.constexpr, BLOCK_V: tl.constexpr, C: tl.constexpr,
     HAS_INITIAL_FLAGS: tl.constexpr, HAS_CHUNK_STATES: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    PREFETCH: tl.constexpr, INTERVAL: tl.constexpr,
 ):
     i_v, i_hv, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n64 = i_n.to(tl.int64)
@@ -381,9 +381,11 @@ def _chunk_state_kernel(
         S = S * g_c[None, :]
         S = tl.dot(tl.trans(b_U), kd_c, S, input_precision=DOT_PRECISION)  # [BLOCK_V, BLOCK_K]
         if HAS_CHUNK_STATES:
-            # The state after the sequence's first (j+1)*C tokens, when it has that many.
-            j = c - c_first
-            full = (t0 + C <= eos) & live & (j < chunk_idx_cols)
+            # The state after the sequence's first (j+1)*INTERVAL tokens, when it has that many.
+            EVERY: tl.constexpr = INTERVAL // C
+            steps = c - c_first + 1
+            j = steps // EVERY - 1
+            full = (steps % EVERY == 0) & (t0 + C <= eos) & live & (j < chunk_idx_cols)
             row = tl.load(chunk_state_idx + n64 * stride_ci_n + tl.where(full, j, 0) * stride_ci_j,
                           mask=full, other=-1).to(tl.int64)
             ok = full & (row >= 0) & (row < num_chunk_slots)
@@ -422,7 +424,9 @@ def max_chunks_for(T: int, N: int, chunk: int = CHUNK_SIZE) -> int:
 @register("chunk_prefill", "triton")
 def chunk_prefill_triton(q, k, v, g, beta, state, slot_indices, out, *, cu_seqlens, scale, use_qk_l2norm, A_log,
                          dt_bias, lower_bound, beta_mode, has_initial_state, chunk_states, chunk_state_indices,
-                         config: ChunkConfig | None = None):
+                         config: ChunkConfig | None = None, chunk_state_interval: int = CHUNK_SIZE):
+    """``chunk_state_interval``: tokens between the states written to ``chunk_states`` (a
+    multiple of the kernel's chunk; the public op's is ``CHUNK_SIZE``)."""
     _, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = cu_seqlens.numel() - 1
@@ -430,6 +434,8 @@ def chunk_prefill_triton(q, k, v, g, beta, state, slot_indices, out, *, cu_seqle
         return out
     cfg = config or chunk_config(N, HV, K, V)
     C = cfg.chunk
+    if chunk_states is not None and chunk_state_interval % C:
+        raise ValueError(f"chunk_state_interval={chunk_state_interval} must be a multiple of the chunk ({C}).")
     BK = triton.next_power_of_2(max(K, 16))
     BVW = triton.next_power_of_2(max(V, 16))
     max_chunks = max_chunks_for(T, N, C)
@@ -470,7 +476,7 @@ def chunk_prefill_triton(q, k, v, g, beta, state, slot_indices, out, *, cu_seqle
          ci.stride(0), ci.stride(1) if has_cs else 0, ci_cols),
         dict(H=H, HV=HV, K=K, V=V, BLOCK_K=BK, BLOCK_V_WS=BVW, BLOCK_V=block_v, C=C,
              HAS_INITIAL_FLAGS=has_initial_state is not None, HAS_CHUNK_STATES=has_cs,
-             DOT_PRECISION=cfg.dot_precision, PREFETCH=cfg.prefetch),
+             DOT_PRECISION=cfg.dot_precision, PREFETCH=cfg.prefetch, INTERVAL=chunk_state_interval),
         num_warps=cfg.state_warps, num_stages=1)
     return out
 
@@ -515,7 +521,8 @@ def chunk_prefill(q, k, v, g, beta, state, slot_indices, *, cu_seqlens=None, A_l
     [HV]`` (with ``dt_bias [HV*K]``, optional ``lower_bound`` for the safe gate) is given,
     else the log-decay; ``beta`` is β, or its logit when ``beta_is_logit``.
     ``chunk_states [scratch, HV, V, K]`` with ``chunk_state_indices [N, M]``: the state of
-    sequence ``n`` after its first ``(j+1) * CHUNK_SIZE`` tokens goes to
+    sequence ``n`` after its first ``(j+1) * CHUNK_SIZE`` tokens (64, whatever chunk the
+    kernels use) goes to
     ``chunk_states[chunk_state_indices[n, j]]`` (rows < 0 or out of range: not written).
     Returns ``out [1, T, HV, V]`` (allocated zeroed in ``v``'s dtype when not given; rows
     of tokens outside ``cu_seqlens`` are not written).
