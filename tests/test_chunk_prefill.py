@@ -325,11 +325,6 @@ def test_custom_op_under_compile_matches_eager():
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
 
 
-def test_zz_print_errors():
-    for name, err in ERRORS.items():
-        print(f"{name}: rel err {err:.2e}")
-
-
 # ----------------------------------------------------------------------------
 # kdakit.compat.fla.chunk_kda (fla-core 0.6.0's signature)
 # ----------------------------------------------------------------------------
@@ -397,3 +392,23 @@ def test_offsets_past_the_inputs_read_nothing_outside():
     assert torch.isfinite(out).all() and torch.isfinite(state).all()
     storage_out = torch.as_strided(out, (T + 40, HV * V), (HV * V, 1))
     assert (storage_out[T:] == 0).all(), "nothing written past token T"
+
+
+@pytest.mark.parametrize("K,V", [(128, 64), (64, 128)])
+def test_real_head_dims_default_config(K, V):
+    """The public call's own launch config (chunk 64, tf32x3, V tiles from the shapes) at
+    real head dims, K != V."""
+    x, A_log, dt_bias, cu, state, T = make_case(1, 1, K, V, [5, 66], seed=13, slots=3)
+    idx = torch.tensor([2, 0], dtype=torch.int32)
+    before = state.clone()
+    ref_out, ref_pool, _ = ref64(x, A_log, dt_bias, cu, state, idx)
+    out = kdakit.chunk_prefill(x["q"], x["k"], x["v"], x["g"], x["beta"], state, idx, cu_seqlens=cu, A_log=A_log,
+                               dt_bias=dt_bias, beta_is_logit=True, backend="triton")
+    ERRORS[f"public K{K} V{V}"] = rel_err(out, ref_out)
+    assert_close(out, ref_out, 1e-5, "out")
+    check_pool(state, before, ref_pool, [2, 0], 1e-5, "pool")
+
+
+def test_zz_print_errors():
+    for name, err in ERRORS.items():
+        print(f"{name}: rel err {err:.2e}")
