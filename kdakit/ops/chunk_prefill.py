@@ -195,7 +195,6 @@ def _chunk_prep_kernel(
     offs_s = tl.arange(0, 16)
     offs_j = tl.arange(0, SUB_K)
     causal = offs_s[:, None] >= offs_s[None, :]
-    blk = offs_c // 16
     for i in tl.static_range(NB):
         rows = ws_row + i * 16 + offs_s
         if not FACTOR_DIAG:
