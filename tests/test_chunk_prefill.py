@@ -409,6 +409,23 @@ def test_real_head_dims_default_config(K, V):
     check_pool(state, before, ref_pool, [2, 0], 1e-5, "pool")
 
 
+@pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["softplus-steep", "safe-at-bound"])
+def test_chunk_form_algebra_in_float64(lower_bound):
+    """The chunk form the kernels implement (tests/chunk_oracle.py) equals the recurrence
+    to float64 rounding, steep gates included: the algebra, independent of any kernel."""
+    from chunk_oracle import chunk_form
+    H, HV, K, V = 1, 1, 16, 8
+    x, A_log, dt_bias, cu, state, T = make_case(H, HV, K, V, [150], seed=14, steep=True, slots=1)
+    idx = torch.tensor([0], dtype=torch.int32)
+    ref_out, ref_pool, _ = ref64(x, A_log, dt_bias, cu, state, idx, lower_bound=lower_bound)
+    qh, kh = reference.prepare_qk(x["q"][0].double(), x["k"][0].double(), HV, K ** -0.5)
+    g = reference.kda_gate(x["g"][0].double(), A_log.double(), dt_bias.double().view(HV, K), lower_bound)
+    for chunk in (16, 64):
+        o, S = chunk_form(qh[:, 0], kh[:, 0], x["v"][0, :, 0], g[:, 0], torch.sigmoid(x["beta"][0, :, 0].double()),
+                          state[0, 0], chunk)
+        assert rel_err(o, ref_out[0, :, 0]) < 1e-12 and rel_err(S, ref_pool[0, 0]) < 1e-12
+
+
 def test_zz_print_errors():
     for name, err in ERRORS.items():
         print(f"{name}: rel err {err:.2e}")
