@@ -1,5 +1,6 @@
 """fla-core 0.6.0's ``fused_recurrent_kda`` and ``fused_recurrent_kda_fwd``: same names,
-parameters, defaults, return values and varlen error texts, on kdakit's kernel.
+parameters, defaults, return values and varlen error texts, on kdakit's kernel; and its
+``chunk_kda`` forward on kdakit's chunked prefill (see ``chunk_kda`` below).
 
 State layout: fla's default is K-major ``[N, HV, K, V]``; ``state_v_first=True`` takes
 the V-major ``[N, HV, V, K]`` pool of sglang and kdakit. kdakit's kernel addresses the
