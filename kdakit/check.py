@@ -157,9 +157,28 @@ def check_causal_conv1d_varlen(backend, device):
             "untouched": bool(torch.equal(conv[u], before[u]))}
 
 
+def check_chunk_prefill(backend, device):
+    c = _Case(device, seed=4)
+    cu = torch.tensor([0, 1, 37, 37, 70], dtype=torch.int32, device=device)  # length 1, off the chunk grid, empty
+    T = 70
+    q, k, v = c.rnd(1, T, c.H, c.K), c.rnd(1, T, c.H, c.K), c.rnd(1, T, c.HV, c.V)
+    g, beta = c.rnd(1, T, c.HV, c.K), c.rnd(1, T, c.HV)
+    idx = torch.tensor([7, 0, -1, 4], dtype=torch.int32, device=device)
+    before, ref_state = c.state.clone(), c.state.double()
+    ref_out = torch.empty(1, T, c.HV, c.V, dtype=torch.float64, device=device)
+    reference.chunk_prefill(*map(_f64, (q, k, v, g, beta)), ref_state, idx, ref_out, cu_seqlens=cu,
+                            A_log=c.A_log.double(), dt_bias=c.dt_bias.double(), beta_is_logit=True,
+                            compute_dtype=torch.float64)
+    out = kdakit.chunk_prefill(q, k, v, g, beta, c.state, idx, cu_seqlens=cu, A_log=c.A_log, dt_bias=c.dt_bias,
+                               beta_is_logit=True, backend=backend)
+    u = [s for s in range(c.slots) if s not in (7, 0, 4)]
+    return {"out_err": _rel(out, ref_out), "pool_err": _rel(c.state, ref_state),
+            "untouched": bool(torch.equal(c.state[u], before[u]))}
+
+
 CHECKS = {"packed_decode": check_packed_decode, "fused_decode": check_fused_decode,
           "mtp_verify+commit_ring": check_mtp_verify_and_commit, "recurrent_forward": check_recurrent_forward,
-          "causal_conv1d_varlen": check_causal_conv1d_varlen}
+          "causal_conv1d_varlen": check_causal_conv1d_varlen, "chunk_prefill": check_chunk_prefill}
 REGISTRY_NAME = {"mtp_verify+commit_ring": "mtp_verify"}
 
 

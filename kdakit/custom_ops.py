@@ -47,6 +47,7 @@ from torch import Tensor
 
 from .backends import select
 from .ops.recurrent_forward import run_recurrent_forward  # select + the dispatch-time defaults of that op
+from .ops.chunk_prefill import run_chunk_prefill
 
 _TAGS = (torch.Tag.needs_exact_strides,)
 
@@ -194,9 +195,23 @@ def recurrent_forward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, 
                           final_states=final_states, padding_rows=padding_rows, backend=backend)
 
 
+@_op("chunk_prefill", ("state", "out", "chunk_states"))
+def chunk_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, slot_indices: Tensor,
+                  out: Tensor, cu_seqlens: Tensor, scale: Optional[float], use_qk_l2norm: bool,
+                  A_log: Optional[Tensor], dt_bias: Optional[Tensor], lower_bound: Optional[float], beta_mode: int,
+                  has_initial_state: Optional[Tensor], chunk_states: Optional[Tensor],
+                  chunk_state_indices: Optional[Tensor], backend: Optional[str]) -> None:
+    """``beta_mode`` is one of ``ops.chunk_prefill.BETA_*``."""
+    run_chunk_prefill(q, k, v, g, beta, state, slot_indices, out, cu_seqlens=cu_seqlens, scale=scale,
+                      use_qk_l2norm=use_qk_l2norm, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+                      beta_mode=beta_mode, has_initial_state=has_initial_state, chunk_states=chunk_states,
+                      chunk_state_indices=chunk_state_indices, backend=backend)
+
+
 OPS = {"packed_decode": packed_decode, "fused_decode": fused_decode, "causal_conv1d_update": causal_conv1d_update,
        "causal_conv1d_varlen": causal_conv1d_varlen, "gated_rmsnorm": gated_rmsnorm, "mtp_verify": mtp_verify, "commit_snapshots": commit_snapshots,
-       "commit_ring": commit_ring, "recurrent_forward": recurrent_forward}
+       "commit_ring": commit_ring, "recurrent_forward": recurrent_forward,
+       "chunk_prefill": chunk_prefill}
 
 
 # ----------------------------------------------------------------------------

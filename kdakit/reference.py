@@ -540,3 +540,47 @@ def commit_tree_ring(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, pat
             _, S = delta_rule_step(S, torch.zeros_like(k_t), k_t, ring_v[slot, :, t].to(cd),
                                    ring_g[slot, :, t].to(cd), ring_beta[slot, :, t].to(cd))
         state[slot] = S.to(state.dtype)
+
+
+def chunk_prefill(q, k, v, g, beta, state, slot_indices, out, *, cu_seqlens=None, scale=None, use_qk_l2norm=True,
+                  A_log=None, dt_bias=None, lower_bound=None, beta_is_logit=False, has_initial_state=None,
+                  chunk_states=None, chunk_state_indices=None, chunk_size=64, compute_dtype=torch.float32):
+    """The chunked prefill's contract, computed token by token (the recurrence is the oracle).
+
+    Sequence ``n`` of ``cu_seqlens`` starts from ``state[slot_indices[n]]`` (zeros when
+    ``has_initial_state[n]`` is False) and its final state goes back there. A slot < 0 or
+    >= the pool's slot count is a padding row: zero outputs, nothing read or written.
+    With ``chunk_states``, the state after the sequence's first ``(j+1) * chunk_size``
+    tokens goes to ``chunk_states[chunk_state_indices[n, j]]`` when that row is in range.
+    Rows of ``out`` of tokens outside ``cu_seqlens`` are not written.
+    """
+    cd = compute_dtype
+    _, T, H, K = q.shape
+    HV, V = v.shape[-2:]
+    if cu_seqlens is None:
+        cu_seqlens = torch.tensor([0, T])
+    scale = _default_scale(scale, K)
+    bounds = cu_seqlens.tolist()
+    num_slots = state.shape[0]
+    for n in range(len(bounds) - 1):
+        slot = int(slot_indices[n])
+        if not 0 <= slot < num_slots:
+            out[0, bounds[n]:bounds[n + 1]] = 0
+            continue
+        fresh = has_initial_state is not None and not bool(has_initial_state[n])
+        S = torch.zeros(HV, V, K, dtype=cd, device=q.device) if fresh else state[slot].to(cd)
+        for i, t in enumerate(range(bounds[n], bounds[n + 1])):
+            qt, kt = prepare_qk(q[0, t].to(cd), k[0, t].to(cd), HV, scale, use_qk_l2norm)
+            gt = g[0, t].to(cd)
+            if A_log is not None:
+                gt = kda_gate(gt, A_log.to(cd), dt_bias.to(cd).view(HV, K), lower_bound)
+            bt = kda_beta(beta[0, t].to(cd)) if beta_is_logit else beta[0, t].to(cd)
+            o, S = delta_rule_step(S, qt, kt, v[0, t].to(cd), gt, bt)
+            out[0, t] = o.to(out.dtype)
+            j, boundary = divmod(i + 1, chunk_size)
+            if chunk_states is not None and boundary == 0 and j - 1 < chunk_state_indices.shape[1]:
+                row = int(chunk_state_indices[n, j - 1])
+                if 0 <= row < chunk_states.shape[0]:
+                    chunk_states[row] = S.to(chunk_states.dtype)
+        state[slot] = S.to(state.dtype)
+    return out

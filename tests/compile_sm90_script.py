@@ -99,6 +99,24 @@ for n_seq in (3, 130):  # one-token sequences: two tiles a program up to 256 pai
                              cu_seqlens=torch.arange(n_seq + 1, dtype=torch.int32), A_log=A_log, dt_bias=dt_bias,
                              beta_is_logit=True, backend="triton")
 kdakit.gated_rmsnorm(rnd(4096, V), rnd(4096, V), torch.rand(V), backend="triton")  # 8 rows a program
+# Chunked prefill at real head sizes: default gate with has_initial_state and chunk-boundary
+# states; safe gate on a bf16 pool; the log-decay input with a beta logit x2 (the fla drop-in),
+# 32-token chunks and the state kernel's prefetch.
+Tp = 70
+cu_p = torch.tensor([0, 5, Tp], dtype=torch.int32)
+xp = [rnd(1, Tp, H, K), rnd(1, Tp, H, K), rnd(1, Tp, HV, V), rnd(1, Tp, HV, K), rnd(1, Tp, HV)]
+kdakit.chunk_prefill(*xp, state, torch.tensor([1, -1], dtype=torch.int32), cu_seqlens=cu_p, A_log=A_log,
+                     dt_bias=dt_bias, beta_is_logit=True, has_initial_state=torch.tensor([True, False]),
+                     chunk_states=torch.zeros(3, HV, V, K), chunk_state_indices=torch.tensor([[0], [1]]),
+                     backend="triton")
+kdakit.chunk_prefill(*xp, state.to(bf), torch.tensor([1, 2], dtype=torch.int32), cu_seqlens=cu_p, A_log=A_log,
+                     dt_bias=dt_bias, lower_bound=-5.0, beta_is_logit=True, backend="triton")
+from kdakit.ops.chunk_prefill import ChunkConfig, chunk_prefill_triton  # noqa: E402
+chunk_prefill_triton(*xp[:3], -torch.rand(1, Tp, HV, K), xp[4], state, torch.tensor([1, 2], dtype=torch.int32),
+                     torch.empty(1, Tp, HV, V, dtype=bf), cu_seqlens=cu_p, scale=0.1, use_qk_l2norm=True, A_log=None,
+                     dt_bias=None, lower_bound=None, beta_mode=2, has_initial_state=None, chunk_states=None,
+                     chunk_state_indices=None, config=ChunkConfig(chunk=32, block_v=64, prep_warps=4, prefetch=True))
+assert COMPILED_FOR_TARGET[-6:] == ["_chunk_prep_kernel", "_chunk_state_kernel"] * 3, COMPILED_FOR_TARGET[-6:]
 from kdakit.compat.fla import fused_recurrent_kda  # noqa: E402  (K-major pool, zero initial states)
 os.environ["KDAKIT_BACKEND"] = "triton"  # the compat entry has no backend argument
 fused_recurrent_kda(rnd(1, 5, H, K), rnd(1, 5, H, K), rnd(1, 5, HV, V), rnd(1, 5, HV, K, dtype=torch.float32),

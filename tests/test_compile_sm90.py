@@ -13,6 +13,7 @@ EXPECTED = {"_packed_decode_kernel", "_fused_decode_kernel", "_causal_conv1d_upd
             "_mtp_verify_kernel", "_ring_verify_steps_kernel", "_ring_verify_state_kernel", "_verify_conv_kernel",
             "_commit_ring_kernel", "_gather_copy_kernel", "_recurrent_forward_kernel"}
 EXPECTED |= {"_tree_verify_kernel", "_tree_conv_kernel", "_commit_tree_ring_kernel"}
+EXPECTED |= {"_chunk_prep_kernel", "_chunk_state_kernel"}
 
 
 def test_every_kernel_compiles_for_sm90():

@@ -1,5 +1,6 @@
 """fla-core 0.6.0's ``fused_recurrent_kda`` and ``fused_recurrent_kda_fwd``: same names,
-parameters, defaults, return values and varlen error texts, on kdakit's kernel.
+parameters, defaults, return values and varlen error texts, on kdakit's kernel; and its
+``chunk_kda`` forward on kdakit's chunked prefill (see ``chunk_kda`` below).
 
 State layout: fla's default is K-major ``[N, HV, K, V]``; ``state_v_first=True`` takes
 the V-major ``[N, HV, V, K]`` pool of sglang and kdakit. kdakit's kernel addresses the
@@ -228,3 +229,122 @@ def fused_recurrent_kda(
         ssm_state_indices=ssm_state_indices, num_accepted_tokens=kwargs.get("num_accepted_tokens"),
         out=kwargs.get("out"),
     )
+
+
+def chunk_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    safe_gate: bool = False,
+    lower_bound: float | None = None,
+    disable_recompute: bool = False,
+    return_intermediate_states: bool = False,
+    state_v_first: bool = False,
+    cu_seqlens: torch.LongTensor | None = None,
+    cu_seqlens_cpu: torch.LongTensor | None = None,
+    cp_context=None,
+    use_graph: bool = False,
+    max_num_seqs: int | None = None,
+    **kwargs,
+):
+    """fla-core 0.6.0's ``chunk_kda`` forward on kdakit's chunked prefill: same parameters,
+    defaults, checks and return value ``(o, final_state)``. ``A_log`` / ``dt_bias`` come
+    through ``**kwargs`` as in fla. ``initial_state [N, HV, K, V]`` float32 (``[N, HV, V, K]``
+    with ``state_v_first``) is read, never written; ``final_state`` is a new float32 tensor
+    in the same layout when ``output_final_state``, else ``None``. With the gate in kernel a
+    ``lower_bound`` selects the safe gate (``A_log`` may then be None: ``exp(A)`` is 1).
+
+    Not supported (ValueError): ``return_intermediate_states``, ``cp_context``, a headwise
+    beta. Inference only: no autograd. ``use_graph`` / ``max_num_seqs`` / ``cu_seqlens_cpu``
+    / ``disable_recompute`` / ``chunk_size`` are accepted and not needed (kdakit plans its
+    chunks on the device from ``cu_seqlens`` without a host sync, so every call can be
+    captured in a CUDA graph).
+    """
+    from ..ops.chunk_prefill import BETA_AS_IS as C_AS_IS, BETA_SIGMOID as C_SIGMOID
+    from ..ops.chunk_prefill import BETA_SIGMOID_X2 as C_SIGMOID_X2, run_chunk_prefill
+    if 'transpose_state_layout' in kwargs:
+        if state_v_first:
+            raise ValueError("Cannot pass both `state_v_first` and the deprecated `transpose_state_layout`.")
+        warnings.warn("`transpose_state_layout` is deprecated and renamed to `state_v_first`.", DeprecationWarning,
+                      stacklevel=2)
+        state_v_first = kwargs.pop('transpose_state_layout')
+    if return_intermediate_states:
+        raise ValueError("`return_intermediate_states` is not supported by kdakit's chunk_kda; pass `chunk_states` "
+                         "to kdakit.chunk_prefill for the states at chunk boundaries.")
+    if cp_context is not None:
+        raise ValueError("Context parallelism (`cp_context`) is not supported by kdakit's chunk_kda.")
+    if q.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"`q`/`v` must be 4D [B, T, H, K] / [B, T, HV, V] (got q.ndim={q.dim()}, v.ndim={v.dim()}).")
+    if cu_seqlens is not None:
+        if q.shape[0] != 1:
+            raise ValueError(f"The batch size is expected to be 1 rather than {q.shape[0]} when using `cu_seqlens`."
+                             f"Please flatten variable-length inputs before processing.")
+        if initial_state is not None and initial_state.shape[0] != len(cu_seqlens) - 1:
+            raise ValueError(f"The number of initial states is expected to be equal to the number of input "
+                             f"sequences, i.e., {len(cu_seqlens) - 1} rather than {initial_state.shape[0]}.")
+    if initial_state is not None and initial_state.dtype != torch.float32:
+        raise ValueError("initial_state must be in float32.")
+    A_log = dt_bias = None
+    if use_gate_in_kernel:
+        A_log, dt_bias = kwargs.get("A_log"), kwargs.get("dt_bias")
+        if A_log is None and lower_bound is None:
+            raise ValueError("`A_log` must be provided when `use_gate_in_kernel=True` and `lower_bound` is not set.")
+    if safe_gate and use_gate_in_kernel:
+        if lower_bound is None:
+            raise ValueError("`lower_bound` must be specified when `safe_gate=True` and `use_gate_in_kernel=True`.")
+        if not (-5 <= lower_bound < 0):
+            raise ValueError(f"`lower_bound` must be in the safe range [-5, 0), got {lower_bound}.")
+    if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
+        raise ValueError("`allow_neg_eigval=True` requires `use_beta_sigmoid_in_kernel=True`.")
+    if beta.dim() == v.dim():
+        raise ValueError("A per-value-channel (headwise) `beta` [B, T, HV, V] is not supported by kdakit; "
+                         "pass beta [B, T, HV].")
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    if scale is None:
+        scale = K ** -0.5
+    out = torch.zeros_like(v)
+    if cu_seqlens is None:  # equal-length batches as one flattened varlen batch
+        q, k, v_flat, g = (x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g))
+        beta = beta.reshape(1, B * T, *beta.shape[2:])
+        out_flat = out.view(1, B * T, HV, V)
+        cu_seqlens = torch.arange(0, B * T + 1, T, device=q.device, dtype=torch.int32)
+    else:
+        v_flat, out_flat = v, out
+    N = cu_seqlens.numel() - 1
+    if use_gate_in_kernel:
+        if A_log is None:  # the safe gate without A: exp(A) is 1
+            A_log = torch.zeros(HV, device=q.device, dtype=torch.float32)
+        if dt_bias is None:
+            dt_bias = torch.zeros(HV * K, device=q.device, dtype=torch.float32)
+        if lower_bound is not None and not (-5 <= lower_bound < 0):
+            raise ValueError(f"`lower_bound` must be in the safe range [-5, 0), got {lower_bound}.")
+    else:
+        lower_bound = None  # g is the log-decay
+    beta_mode = C_AS_IS
+    if use_beta_sigmoid_in_kernel:
+        beta_mode = C_SIGMOID_X2 if allow_neg_eigval else C_SIGMOID
+    # The kernel updates a pool in place: run it on a float32 copy of the initial states
+    # (fla never writes `initial_state`), which becomes the returned final state.
+    alloc = (HV, V, K) if state_v_first else (HV, K, V)
+    if initial_state is None:
+        final = q.new_zeros(N, *alloc, dtype=torch.float32)
+    else:
+        final = initial_state.clone(memory_format=torch.contiguous_format)
+    slots = identity_slots(q.device, N)
+    contracts.check_recurrent_forward(q, k, v_flat, g, beta, final, slots, out_flat, cu_seqlens=cu_seqlens,
+                                      A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+                                      state_name="initial_state", k_major=not state_v_first)
+    run_chunk_prefill(q, k, v_flat, g, beta, _v_major(final, state_v_first), slots, out_flat,
+                      cu_seqlens=cu_seqlens, scale=scale, use_qk_l2norm=use_qk_l2norm_in_kernel, A_log=A_log,
+                      dt_bias=dt_bias, lower_bound=lower_bound, beta_mode=beta_mode)
+    return out, (final if output_final_state else None)

@@ -1,0 +1,310 @@
+"""Chunked varlen prefill on the GPU: correctness at real sizes, then timings against fla.
+
+    python benchmarks/bench_chunk_prefill.py [--quick] [--sweep] [--cases NAME,...]
+
+Checks first (each case before it is timed): kdakit.chunk_prefill against fla-core's
+chunk_kda on the same inputs (bf16 activations, float32 pool), and, on the smaller
+cases, both against the float64 token-by-token reference; a float32-input case where
+both are measured against float64 (the accuracy comparison); the steep default gate
+(log-decay down to about -20 per token in some channels); the pool slots not in the
+batch bitwise untouched; a padding slot and an out-of-range slot.
+
+Then times, HBM-resident through harness.graph_time_us (CUDA graphs; median replay per
+layer; layers each with their own inputs and pool) in one process on the same inputs:
+- ``kdakit``: kdakit.chunk_prefill on the V-major pool, in place;
+- ``fla``: fla's chunk_kda as engines call it: gather the sequences' initial states from
+  the pool (``state_v_first=True``, so no transpose), run, scatter the final states back
+  with ``index_copy_``. If fla cannot be captured in a graph, it is timed eagerly with
+  CUDA events over the same layers (``"timing": "eager"`` in its row).
+Cases: one sequence of 2k, 8k, 32k tokens; varlen 8 x 2k, 64 x 512, mixed lengths;
+H = HV = 32 and H = HV = 8; K = V = 128; default gate and safe gate (lower_bound -5).
+Reports ms, tokens/s and TFLOP/s (nominal: the chunk-64 WY flops per token and head,
+``2 (4 C K + 3 K V)`` with C = 64, the same count for both), and the copy ceiling of the
+same run. JSON to benchmarks/results/ (or $OUT) via harness.save.
+
+``--quick``: 2k and 8 x 2k at H = 32, both gates. ``--sweep``: also kdakit's alternative
+launch configs (chunk 32 / 64, V tile 32 / 64, TF32 vs three-pass TF32).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+import harness  # noqa: E402
+
+from kdakit import reference  # noqa: E402
+from kdakit.ops.chunk_prefill import ChunkConfig, chunk_config, chunk_prefill, chunk_prefill_triton  # noqa: E402
+
+DEV = "cuda"
+C_NOMINAL = 64
+
+
+def make_layer(seqlens, H, HV, K, V, *, state_dtype=torch.float32, act_dtype=torch.bfloat16, steep=False, seed=0):
+    """Sequences of ``seqlens`` tokens flattened to [1, T, ...]; a pool with spare slots."""
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    N = len(seqlens)
+    cu = torch.zeros(N + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(seqlens, dtype=torch.int32), 0)
+    T = int(cu[-1])
+    slots = 2 * N + 2
+
+    def rnd(*shape):
+        return torch.randn(*shape, device=DEV, generator=gen)
+
+    g = rnd(1, T, HV, K)
+    A_log = torch.rand(HV, device=DEV, generator=gen) * 2 - 1
+    dt_bias = rnd(HV * K) * 0.5
+    if steep:  # some channels decay by ~e^-20 a token: softplus(x) ~ x, exp(A_log) up to ~e
+        g[..., : K // 8] = 6.0 + 2.0 * g[..., : K // 8].abs()
+    return {
+        "q": rnd(1, T, H, K).to(act_dtype), "k": rnd(1, T, H, K).to(act_dtype),
+        "v": rnd(1, T, HV, V).to(act_dtype), "g": g.to(act_dtype), "beta": rnd(1, T, HV).to(act_dtype),
+        "A_log": A_log, "dt_bias": dt_bias,
+        "state": (rnd(slots, HV, V, K) * 0.5).to(state_dtype),
+        "idx": torch.randperm(slots, device=DEV, generator=gen)[:N].to(torch.int32),
+        "cu": cu.to(DEV), "out": torch.empty(1, T, HV, V, device=DEV, dtype=act_dtype),
+    }
+
+
+def rel(x, y):
+    x, y = x.double(), y.double()
+    return float((x - y).norm() / y.norm().clamp_min(1e-30)) if torch.isfinite(x).all() else float("inf")
+
+
+def ref_forward(layer, lower_bound):
+    """float64 token-by-token reference on copies: (out, pool after)."""
+    pool = layer["state"].double()
+    out = torch.zeros(layer["out"].shape, dtype=torch.float64, device=DEV)
+    reference.chunk_prefill(*(layer[n].double() for n in ("q", "k", "v", "g", "beta")), pool, layer["idx"], out,
+                            cu_seqlens=layer["cu"], A_log=layer["A_log"].double(),
+                            dt_bias=layer["dt_bias"].double(), lower_bound=lower_bound, beta_is_logit=True,
+                            compute_dtype=torch.float64)
+    return out, pool
+
+
+def kdakit_call(layer, lower_bound, config=None):
+    if config is None:
+        return lambda: chunk_prefill(layer["q"], layer["k"], layer["v"], layer["g"], layer["beta"], layer["state"],
+                                     layer["idx"], cu_seqlens=layer["cu"], A_log=layer["A_log"],
+                                     dt_bias=layer["dt_bias"], lower_bound=lower_bound, beta_is_logit=True,
+                                     out=layer["out"])
+    K = layer["q"].shape[-1]
+    return lambda: chunk_prefill_triton(layer["q"], layer["k"], layer["v"], layer["g"], layer["beta"],
+                                        layer["state"], layer["idx"], layer["out"], cu_seqlens=layer["cu"],
+                                        scale=K ** -0.5, use_qk_l2norm=True, A_log=layer["A_log"],
+                                        dt_bias=layer["dt_bias"], lower_bound=lower_bound, beta_mode=1,
+                                        has_initial_state=None, chunk_states=None, chunk_state_indices=None,
+                                        config=config)
+
+
+def fla_call(layer, lower_bound, use_graph=True):
+    """fla's chunk_kda as an engine runs it on a V-major pool: gather, run, scatter back.
+    ``use_graph``: fla's own CUDA-graph mode (its chunk list built on the device), so that
+    the call captures; fla-plain (False) plans on the host."""
+    from fla.ops.kda import chunk_kda
+    idx = layer["idx"].long()
+    cu = layer["cu"].long()
+    layer["fla_out"] = None
+
+    def call():
+        h0 = layer["state"].index_select(0, idx).float()  # fla takes float32 initial states
+        o, ht = chunk_kda(q=layer["q"], k=layer["k"], v=layer["v"], g=layer["g"], beta=layer["beta"],
+                          A_log=layer["A_log"], dt_bias=layer["dt_bias"], initial_state=h0,
+                          output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                          use_beta_sigmoid_in_kernel=True, safe_gate=lower_bound is not None,
+                          lower_bound=lower_bound, state_v_first=True, cu_seqlens=cu,
+                          **({"use_graph": True} if use_graph else {}))
+        layer["state"].index_copy_(0, idx, ht.to(layer["state"].dtype))
+        layer["fla_out"] = o
+    return call
+
+
+def eager_time_us(calls, reps: int = 10) -> float:
+    """Median µs per call over ``reps`` passes of ``calls`` (CUDA events), after warm-up."""
+    for _ in range(2):
+        for call in calls:
+            call()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for call in calls:
+            call()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(calls))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def timed(calls):
+    """(µs, how): a CUDA-graph median when the calls capture, else eager events."""
+    try:
+        return harness.graph_time_us(calls, replays=10), "graph"
+    except Exception as exc:  # noqa: BLE001  (fla's host-side planning may not capture)
+        torch.cuda.synchronize()
+        return eager_time_us(calls), f"eager ({type(exc).__name__})"
+
+
+# ----------------------------------------------------------------------------
+def correctness(results):
+    checks = results["checks"]
+    cases = [  # (name, seqlens, H, HV, act dtype, state dtype, lower_bound, steep, with float64 reference)
+        ("2k-f32in", [2048], 8, 8, torch.float32, torch.float32, None, False, True),
+        ("mixed-f32in-safe", [1, 63, 64, 65, 700, 130], 8, 16, torch.float32, torch.float32, -5.0, False, True),
+        ("2k-bf16", [2048], 32, 32, torch.bfloat16, torch.float32, None, False, True),
+        ("mixed-bf16-safe", [1, 37, 100, 513, 64, 1000], 32, 32, torch.bfloat16, torch.float32, -5.0, False, True),
+        ("steep-f32in-2k", [2048, 300], 4, 4, torch.float32, torch.float32, None, True, True),
+        ("bf16-pool", [700, 33], 8, 8, torch.bfloat16, torch.bfloat16, None, False, True),
+        ("8k-bf16", [8192], 32, 32, torch.bfloat16, torch.float32, None, False, False),
+    ]
+    for name, lens, H, HV, ad, sd, lb, steep, with_ref in cases:
+        layer = make_layer(lens, H, HV, 128, 128, state_dtype=sd, act_dtype=ad, steep=steep, seed=len(lens) + H)
+        if len(lens) > 2:
+            layer["idx"][1] = -1                      # a padding row
+            layer["idx"][2] = layer["state"].shape[0] + 5  # out of range: padding too
+        before = layer["state"].clone()
+        row = {"case": name}
+        if with_ref:
+            ref_out, ref_pool = ref_forward(layer, lb)
+        for _ in range(2):  # the second call runs the cached launch path
+            layer["state"].copy_(before)
+            layer["out"].fill_(float("nan"))
+            kdakit_call(layer, lb)()
+        torch.cuda.synchronize()
+        idx = layer["idx"].long()
+        live = idx[(idx >= 0) & (idx < layer["state"].shape[0])]
+        unused = torch.ones(layer["state"].shape[0], dtype=torch.bool, device=DEV)
+        unused[live] = False
+        row["untouched"] = torch.equal(layer["state"][unused], before[unused])
+        ours_out, ours_pool = layer["out"].clone(), layer["state"].clone()
+        if with_ref:
+            row["kdakit_out_err"] = rel(ours_out, ref_out)
+            row["kdakit_state_err"] = rel(ours_pool[live], ref_pool[live])
+        try:
+            layer["state"].copy_(before)
+            if len(lens) > 2:  # fla has no padding rows: run it on the live sequences' slots only
+                layer["idx"][1], layer["idx"][2] = int(unused.nonzero()[0]), int(unused.nonzero()[1])
+            try:
+                fla_call(layer, lb)()
+            except Exception as exc:  # noqa: BLE001  (fla's graph mode refused: its plain call)
+                row["fla_graph_mode_error"] = repr(exc)[:200]
+                layer["state"].copy_(before)
+                fla_call(layer, lb, use_graph=False)()
+            torch.cuda.synchronize()
+            fo = layer["fla_out"]
+            keep = torch.ones(fo.shape[1], dtype=torch.bool, device=DEV)
+            if len(lens) > 2:
+                cu = layer["cu"].tolist()
+                keep[cu[1]:cu[3]] = False
+            row["kdakit_vs_fla_out"] = rel(ours_out[:, keep], fo[:, keep])
+            if with_ref:
+                row["fla_out_err"] = rel(fo[:, keep], ref_out[:, keep])
+                row["fla_state_err"] = rel(layer["state"][live], ref_pool[live])
+        except Exception as exc:  # noqa: BLE001
+            row["fla_error"] = repr(exc)[:300]
+        f32 = ad == torch.float32 and sd == torch.float32
+        tol_out = 1e-4 if f32 else 2e-2
+        errs = [row.get("kdakit_out_err", 0.0), row.get("kdakit_state_err", 0.0)]
+        row["ok"] = bool(row["untouched"] and all(e < tol_out for e in errs)
+                         and row.get("kdakit_vs_fla_out", 0.0) < 3e-2)
+        checks.append(row)
+        print(row, flush=True)
+    return all(c["ok"] for c in checks)
+
+
+CASES = {  # name: (seqlens, H, HV)
+    "1x2k": ([2048], 32, 32), "1x8k": ([8192], 32, 32), "1x32k": ([32768], 32, 32),
+    "8x2k": ([2048] * 8, 32, 32), "64x512": ([512] * 64, 32, 32),
+    "mixed": ([17, 4000, 250, 1024, 3, 777, 2048, 96, 513, 1200], 32, 32),
+    "1x8k-H8": ([8192], 8, 8), "8x2k-H8": ([2048] * 8, 8, 8), "1x32k-H8": ([32768], 8, 8),
+}
+QUICK = ("1x2k", "8x2k")
+
+
+def flops_per_token_head(K, V, C=C_NOMINAL):
+    return 2 * (4 * C * K + 3 * K * V)
+
+
+def timings(results, names, sweep):
+    for name in names:
+        lens, H, HV = CASES[name]
+        K = V = 128
+        T = sum(lens)
+        for lb in (None, -5.0):
+            layers = [make_layer(lens, H, HV, K, V, seed=i) for i in range(2)]
+            base = {"case": name, "T": T, "N": len(lens), "H": H, "HV": HV, "gate": "safe" if lb else "softplus"}
+            variants = [("kdakit", lambda layer: kdakit_call(layer, lb))]
+            if sweep:
+                sweep_cfgs = [ChunkConfig(chunk=64, block_v=bv, state_warps=w) for bv in (16, 32, 64) for w in (4, 8)]
+                sweep_cfgs += [ChunkConfig(chunk=64, block_v=bv, prefetch=True) for bv in (16, 32, 64)]
+                sweep_cfgs += [ChunkConfig(chunk=32, block_v=bv, prep_warps=4) for bv in (32, 64)]
+                sweep_cfgs += [ChunkConfig(chunk=64, block_v=32, prep_warps=4),
+                               ChunkConfig(chunk=64, block_v=32, dot_precision="tf32"),
+                               ChunkConfig(chunk=64, block_v=64, dot_precision="tf32")]
+                if lb is not None:
+                    sweep_cfgs.append(ChunkConfig(chunk=64, block_v=32, factor_safe_gate=False))
+                for cfg in sweep_cfgs:
+                    variants.append((f"kdakit-c{cfg.chunk}-bv{cfg.block_v}-pw{cfg.prep_warps}-sw{cfg.state_warps}"
+                                     f"-{cfg.dot_precision}{'-prefetch' if cfg.prefetch else ''}"
+                                     f"{'' if cfg.factor_safe_gate else '-exactdiag'}",
+                                     lambda layer, cfg=cfg: kdakit_call(layer, lb, cfg)))
+            variants.append(("fla", lambda layer: fla_call(layer, lb)))
+            variants.append(("fla-plain", lambda layer: fla_call(layer, lb, use_graph=False)))
+            fla_ok = False
+            for vname, make in variants:
+                if vname == "fla-plain" and fla_ok:
+                    continue  # fla's graph mode ran: its plain call only when that failed
+                try:
+                    us, how = timed([make(layer) for layer in layers])
+                except Exception as exc:  # noqa: BLE001
+                    results["rows"].append({"name": vname, **base, "error": repr(exc)[:300]})
+                    print(vname, base, repr(exc)[:300], flush=True)
+                    continue
+                fla_ok = fla_ok or vname == "fla"
+                ms = us / 1e3
+                tflops = flops_per_token_head(K, V) * T * HV / (us * 1e-6) / 1e12
+                r = {"name": vname, **base, "ms": round(ms, 4), "tokens_per_s": round(T / (us * 1e-6)),
+                     "TFLOP/s": round(tflops, 2), "timing": how}
+                if vname == "kdakit":
+                    r["config"] = str(chunk_config(len(lens), HV, K, V))
+                results["rows"].append(r)
+                print(r, flush=True)
+            del layers
+            torch.cuda.empty_cache()
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--cases", help="comma-separated case names: " + ",".join(CASES))
+    parser.add_argument("--name", default="chunk_prefill_h200")
+    parser.add_argument("--skip-checks", action="store_true")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU")
+        return 2
+    t0 = time.time()
+    results = harness.new_results()
+    ok = True if args.skip_checks else correctness(results)
+    results["checks_ok"] = ok
+    names = args.cases.split(",") if args.cases else (QUICK if args.quick else tuple(CASES))
+    timings(results, names, args.sweep)
+    harness.close_results(results)
+    results["wall_s"] = round(time.time() - t0, 1)
+    path = harness.save(results, args.name + ("_quick" if args.quick else ""))
+    harness.print_table(results["rows"], ["name", "case", "gate", "T", "N", "HV", "ms", "tokens_per_s", "TFLOP/s",
+                                          "timing"])
+    print("checks ok:", ok, "->", path)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,547 @@
+"""Chunked varlen prefill (the extend path): the KDA recurrence in the WY/UT chunk form.
+
+Inputs are one flattened batch, as for ``recurrent_forward``: ``q, k [1, T, H, K]``,
+``v [1, T, HV, V]``, ``g [1, T, HV, K]`` (the raw gate with ``A_log``/``dt_bias``, or the
+log-decay when ``A_log`` is None), ``beta [1, T, HV]`` (β or its logit), split into ``N``
+sequences by ``cu_seqlens``. Sequence ``n`` starts from ``state[slot_indices[n]]`` (zeros
+when ``has_initial_state[n]`` is False) and its final state goes back there; a slot < 0
+or >= the pool's slot count is a padding row (zero outputs, no pool access).
+
+The math, per chunk of ``C`` tokens of one sequence and one value head, with ``S0`` the
+V-major state at the chunk start, ``Γ_t`` the chunk-local inclusive cumulative log-decay
+(a K vector; ``Γ_t - Γ_s <= 0`` for ``s <= t``), ``k̂, q̂`` the normalised (q scaled) keys
+and queries:
+
+- ``A[s, r] = β_s Σ_k k̂_s k̂_r e^(Γ_s - Γ_r)`` (r < s), ``P[t, s] = Σ_k q̂_t k̂_s e^(Γ_t - Γ_s)``
+  (s <= t), ``T = (I + A)^-1`` (forward substitution);
+- ``w = T diag(β) (k̂ ⊙ e^Γ)``, ``u = T diag(β) v``;
+- state chain: ``U = u - w S0ᵀ``; ``o = (q̂ ⊙ e^Γ) S0ᵀ + P U``;
+  ``S = S0 diag(e^Γ_C) + Uᵀ (k̂ ⊙ e^(Γ_C - Γ))``.
+
+Every exponent that is formed is <= 0 (but see the safe gate below), so nothing overflows whatever the gate (the
+default gate's log-decay is unbounded below): the pair sums ``A`` and ``P`` are never
+factored as ``(k̂ e^Γ)(k̂ e^-Γ)`` over a chunk. The chunk is cut into sub-blocks of 16
+tokens; a pair in two different sub-blocks is factored at the boundary before the later
+sub-block, ``e^(Γ_s - Γ_b) · e^(Γ_b - Γ_r)`` (both factors <= 1, one tensor-core product
+per sub-block row), and a pair inside one sub-block takes its exact decay
+``e^(Γ_s - Γ_r)`` element by element (no product, no factoring). Under the safe gate
+(``|g| < 5``, so ``|Γ_s - Γ_r| < 80`` inside a sub-block, ``e^80`` a float32 normal) the
+in-sub-block pairs are factored too, in the same 16 x C product
+(``ChunkConfig.factor_safe_gate``); that is the one place an exponent is positive.
+
+Two kernels:
+1. ``_chunk_prep_kernel``, one program per (chunk, value head), token-parallel: L2 norm,
+   gate, β, the cumulative decay, ``A`` and ``P``, the inverse, and the chunk's ``w``,
+   ``u``, ``q̂ ⊙ e^Γ``, ``k̂ ⊙ e^(Γ_C - Γ)``, ``P`` and ``e^Γ_C`` into a float32 workspace.
+2. ``_chunk_state_kernel``, one program per (sequence, value head, V tile), serial over
+   the sequence's chunks with the state tile in float32 registers: outputs and the
+   state update above; the final state written back in place (and optionally the state
+   after every ``C`` tokens into scratch slots: prefix caching). With
+   ``ChunkConfig.prefetch`` the next chunk's factors are loaded during this chunk's products.
+
+Matrix products use ``tl.dot`` with ``input_precision="tf32x3"`` by default (three-pass
+TF32: float32-level accuracy on tensor cores); ``ChunkConfig.dot_precision`` takes
+``"ieee"`` (exact float32 FMA) or ``"tf32"`` too. The in-sub-block pair sums, the
+cumulative sums and the 16 x 16 forward substitutions are float32 element-wise arithmetic.
+
+The chunk plan (which global chunk belongs to which sequence) is built on the device
+from ``cu_seqlens`` by a few torch ops (no ``.item()``, no host sync), for
+``max_chunks = T // C + N`` chunks, a bound on ``Σ ceil(len_n / C)`` computed from shapes
+alone: a call of fixed ``T`` and ``N`` is CUDA-graph capturable (an engine pads its token
+count and sequence count to its capture sizes; padding sequences may be empty, with
+slot -1). The workspace (``max_chunks · HV · C · (3K + V + 2C + 1)`` floats) comes from
+PyTorch's caching allocator, so from the graph's pool under capture.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import contracts, reference
+from ..backends import register, select
+from .launch import CachedKernel
+from .triton_math import kda_log_decay
+
+CHUNK_SIZE = 64  # tokens per chunk on the GPU (prefix-cache boundaries come every CHUNK_SIZE tokens)
+SUB = 16  # sub-block of a chunk: the tensor-core tile and the unit of exact in-block decays
+
+BETA_AS_IS, BETA_SIGMOID, BETA_SIGMOID_X2 = 0, 1, 2  # β as given, sigmoid of a logit, 2·sigmoid (fla's allow_neg_eigval)
+
+
+@dataclass(frozen=True)
+class ChunkConfig:
+    """Launch configuration of one call (``chunk_config`` picks it from the shapes)."""
+    chunk: int = CHUNK_SIZE          # tokens per chunk: 16, 32 or 64 (a multiple of SUB)
+    block_v: int = 64                # V rows of the state tile per state-kernel program
+    sub_k: int = 32                  # key channels per step of the exact in-sub-block pair sums
+    prep_warps: int = 4
+    state_warps: int = 4
+    dot_precision: str = "tf32x3"    # "tf32x3", "ieee" or "tf32"
+    prefetch: bool = False           # state kernel: load the next chunk's factors during this one's products
+    factor_safe_gate: bool = True    # safe gate: in-sub-block pairs factored too (|Γ| <= 16·5 = 80 there)
+
+
+def chunk_config(N: int, HV: int, K: int, V: int, chunk: int = CHUNK_SIZE) -> ChunkConfig:
+    """Pinned from shapes (no autotuning in a serving call). The state kernel's V tile: the
+    widest of 64 / 32 / 16 rows that still gives about two programs per SM of an H200
+    (132 SMs) in the serial chain (a long sequence with few heads needs narrow tiles to
+    fill the GPU; many sequences reread the chunk's factors fewer times with wide ones).
+    Head dims above 128 take 32-token chunks and V tiles of at most 32 rows.
+    Not yet swept on the GPU: benchmarks/bench_chunk_prefill.py --sweep."""
+    wide = max(K, V) > 128  # head dims up to 256: 32-token chunks and V tiles of <= 32 rows keep tiles in budget
+    if wide:
+        chunk = min(chunk, 32)
+    bv_max = max(16, triton.next_power_of_2(V))
+    block_v = 16
+    for bv in (64, 32):
+        if N * HV * triton.cdiv(V, bv) >= 264:
+            block_v = bv
+            break
+    block_v = min(block_v, bv_max, 32 if wide else 64)
+    sub_k = min(32, triton.next_power_of_2(max(K, 16)))
+    return ChunkConfig(chunk=chunk, block_v=block_v, sub_k=sub_k,
+                       prep_warps=4 if chunk <= 32 else 8, state_warps=4)
+
+
+@triton.jit
+def _bcast(flag, like):
+    """The scalar boolean ``flag`` as a block of ``like``'s shape (a block mask may not be
+    combined with a scalar one: Triton 3.9's interpreter rejects it)."""
+    return (tl.zeros(like.shape, dtype=tl.int32) + flag.to(tl.int32)) != 0
+
+
+@triton.jit
+def _row(x, offs, i):
+    """Row ``i`` of the 2-D tile ``x`` whose row indices are ``offs`` (a 1-D vector)."""
+    return tl.sum(tl.where(offs[:, None] == i, x, 0.0), axis=0)
+
+
+@triton.jit
+def _chunk_prep_kernel(
+    q, k, v, g, beta, A_log, dt_bias, cu_seqlens, chunk_first, chunk_seq,
+    ws_q, ws_k, ws_w, ws_u, ws_p, ws_a, ws_g,
+    num_seqs, T,
+    stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_g_t, stride_g_h,
+    stride_b_t, stride_b_h,
+    scale, lower_bound,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, C: tl.constexpr, SUB_K: tl.constexpr,
+    USE_QK_L2NORM: tl.constexpr, GATE_IN_KERNEL: tl.constexpr, SAFE_GATE: tl.constexpr,
+    BETA_MODE: tl.constexpr, DOT_PRECISION: tl.constexpr, FACTOR_DIAG: tl.constexpr,
+):
+    i_c, i_hv = tl.program_id(0), tl.program_id(1)
+    i_h = i_hv // (HV // H)
+    c64 = i_c.to(tl.int64)
+    NB: tl.constexpr = C // 16
+    # Which sequence this chunk belongs to and its tokens (chunks past the plan's end: none).
+    seq = tl.load(chunk_seq + i_c).to(tl.int64)
+    valid = seq < num_seqs
+    seq_c = tl.minimum(seq, num_seqs - 1)
+    # Offsets clamped into [0, T] (and eos >= bos), as the plan does: no token outside the
+    # inputs is read whatever cu_seqlens holds (full-check mode rejects such offsets).
+    bos = tl.minimum(tl.maximum(tl.load(cu_seqlens + seq_c).to(tl.int64), 0), T)
+    eos = tl.maximum(tl.minimum(tl.maximum(tl.load(cu_seqlens + seq_c + 1).to(tl.int64), 0), T), bos)
+    t0 = bos + (c64 - tl.load(chunk_first + seq_c).to(tl.int64)) * C
+    n_tok = tl.where(valid, tl.minimum(eos - t0, C), 0)
+
+    offs_c = tl.arange(0, C)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_v = tl.arange(0, BLOCK_V)
+    mask_c = offs_c < n_tok
+    mask_k = offs_k < K
+    mask_ck = mask_c[:, None] & mask_k[None, :]
+    tok = t0 + offs_c
+
+    # ---- token-parallel preparation: norm, gate, β, cumulative decay ----
+    b_q = tl.load(q + tok[:, None] * stride_q_t + i_h * stride_q_h + offs_k[None, :], mask=mask_ck, other=0.0)
+    b_k = tl.load(k + tok[:, None] * stride_k_t + i_h * stride_k_h + offs_k[None, :], mask=mask_ck, other=0.0)
+    b_g = tl.load(g + tok[:, None] * stride_g_t + i_hv * stride_g_h + offs_k[None, :], mask=mask_ck, other=0.0)
+    b_q = b_q.to(tl.float32)
+    b_k = b_k.to(tl.float32)
+    b_g = b_g.to(tl.float32)
+    b_beta = tl.load(beta + tok * stride_b_t + i_hv * stride_b_h, mask=mask_c, other=0.0).to(tl.float32)
+    if USE_QK_L2NORM:
+        b_q = b_q / tl.sqrt(tl.sum(b_q * b_q, axis=1) + 1e-6)[:, None]
+        b_k = b_k / tl.sqrt(tl.sum(b_k * b_k, axis=1) + 1e-6)[:, None]
+    b_q = b_q * scale
+    if GATE_IN_KERNEL:
+        A_h = tl.load(A_log + i_hv).to(tl.float32)
+        bias = tl.load(dt_bias + i_hv * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        b_g = kda_log_decay(b_g, bias[None, :], A_h, lower_bound, SAFE_GATE)
+    b_g = tl.where(mask_ck, b_g, 0.0)  # rows past the chunk's tokens: no decay, so Γ_C is the last token's
+    if BETA_MODE == 1:
+        b_beta = tl.sigmoid(b_beta)
+    if BETA_MODE == 2:
+        b_beta = tl.sigmoid(b_beta) * 2.0
+    b_beta = tl.where(mask_c, b_beta, 0.0)
+    G = tl.cumsum(b_g, axis=0)  # [C, BLOCK_K], chunk-local, inclusive, <= 0 and non-increasing
+
+    ws_row = (c64 * HV + i_hv) * C  # first row of this (chunk, head) in the [rows, ...] workspaces
+    p_ck = (ws_row + offs_c)[:, None] * BLOCK_K + offs_k[None, :]
+    p_cc = (ws_row + offs_c)[:, None] * C + offs_c[None, :]
+    # q̂, k̂ and Γ through the workspace: the in-sub-block pair sums read them back in slices.
+    tl.store(ws_q + p_ck, b_q)
+    tl.store(ws_k + p_ck, b_k)
+    tl.store(ws_w + p_ck, G)
+    tl.debug_barrier()
+
+    # ---- A and P, one 16-row sub-block at a time ----
+    # Pairs inside the sub-block: exact decays, element-wise, over K in slices. Pairs with
+    # an earlier sub-block: factored at the boundary before this one (Γ_b, the last token
+    # of the previous sub-block), e^(Γ_s - Γ_b) · e^(Γ_b - Γ_r), both <= 1: one product.
+    offs_s = tl.arange(0, 16)
+    offs_j = tl.arange(0, SUB_K)
+    causal = offs_s[:, None] >= offs_s[None, :]
+    for i in tl.static_range(NB):
+        rows = ws_row + i * 16 + offs_s
+        if not FACTOR_DIAG:
+            acc_a = tl.zeros([16, 16], dtype=tl.float32)
+            acc_p = tl.zeros([16, 16], dtype=tl.float32)
+            for kk in tl.static_range(0, BLOCK_K, SUB_K):
+                p_sk = rows[:, None] * BLOCK_K + kk + offs_j[None, :]
+                sk = tl.load(ws_k + p_sk)
+                sq = tl.load(ws_q + p_sk)
+                sg = tl.load(ws_w + p_sk)
+                d = sg[:, None, :] - sg[None, :, :]  # Γ_s - Γ_r, [16, 16, SUB_K]
+                e = tl.exp(tl.where(causal[:, :, None], d, float("-inf")))
+                kr = sk[None, :, :] * e
+                acc_a += tl.sum(sk[:, None, :] * kr, axis=2)
+                acc_p += tl.sum(sq[:, None, :] * kr, axis=2)
+            p_diag = rows[:, None] * C + i * 16 + offs_s[None, :]
+            tl.store(ws_a + p_diag, tl.where(offs_s[:, None] > offs_s[None, :], acc_a, 0.0))
+            tl.store(ws_p + p_diag, acc_p)
+        if FACTOR_DIAG or i > 0:
+            # Columns before sub-block i (and, with FACTOR_DIAG, sub-block i itself).
+            p_rk = rows[:, None] * BLOCK_K + offs_k[None, :]
+            if i > 0:
+                G_ref = tl.load(ws_w + (ws_row + i * 16 - 1) * BLOCK_K + offs_k)
+            else:
+                G_ref = tl.zeros([BLOCK_K], dtype=tl.float32)
+            if FACTOR_DIAG:
+                n_cols = (i + 1) * 16
+            else:
+                n_cols = i * 16
+            left = tl.exp(tl.load(ws_w + p_rk) - G_ref[None, :])  # [16, BLOCK_K], <= 1
+            right = b_k * tl.exp(tl.where((offs_c < n_cols)[:, None], G_ref[None, :] - G, float("-inf")))
+            right_t = tl.trans(right)  # <= 1 before sub-block i; <= e^(16 |L|) inside it (FACTOR_DIAG)
+            off_a = tl.dot(tl.load(ws_k + p_rk) * left, right_t, input_precision=DOT_PRECISION)  # [16, C]
+            off_p = tl.dot(tl.load(ws_q + p_rk) * left, right_t, input_precision=DOT_PRECISION)
+            p_off = rows[:, None] * C + offs_c[None, :]
+            cols = (offs_c < n_cols)[None, :] & (offs_s >= 0)[:, None]
+            tl.store(ws_a + p_off, off_a, mask=cols)
+            tl.store(ws_p + p_off, off_p, mask=cols)
+    tl.debug_barrier()
+    lower = offs_c[:, None] > offs_c[None, :]
+    b_A = tl.load(ws_a + p_cc, mask=lower, other=0.0) * b_beta[:, None]
+    b_P = tl.load(ws_p + p_cc, mask=offs_c[:, None] >= offs_c[None, :], other=0.0)
+    tl.debug_barrier()
+    tl.store(ws_a + p_cc, b_A)  # β-scaled, for the block solve below
+
+    # ---- T = (I + A)^-1: the 16 x 16 diagonal blocks by forward substitution (all at
+    # once), then the blocks below them row block by row block, from 16 x 16 products ----
+    b_T = _solve_unit_lower(ws_a, ws_p, ws_row, C, NB, DOT_PRECISION)
+
+    # ---- w, u and the chunk's factors for the state chain ----
+    G_last = _row(G, offs_c, C - 1)
+    b_v = tl.load(v + tok[:, None] * stride_v_t + i_hv * stride_v_h + offs_v[None, :],
+                  mask=mask_c[:, None] & (offs_v < V)[None, :], other=0.0).to(tl.float32)
+    e_G = tl.exp(G)
+    b_w = tl.dot(b_T, b_k * e_G * b_beta[:, None], input_precision=DOT_PRECISION)
+    b_u = tl.dot(b_T, b_v * b_beta[:, None], input_precision=DOT_PRECISION)
+    b_qg = tl.load(ws_q + p_ck) * e_G
+    tl.debug_barrier()  # every read of the workspace above is done before it is overwritten
+    tl.store(ws_w + p_ck, b_w)
+    tl.store(ws_q + p_ck, b_qg)
+    tl.store(ws_k + p_ck, b_k * tl.exp(G_last[None, :] - G))
+    tl.store(ws_u + (ws_row + offs_c)[:, None] * BLOCK_V + offs_v[None, :], b_u)
+    tl.store(ws_p + p_cc, b_P)
+    tl.store(ws_g + (c64 * HV + i_hv) * BLOCK_K + offs_k, tl.exp(G_last))
+
+
+@triton.jit
+def _solve_unit_lower(ws_a, ws_t, ws_row, C: tl.constexpr, NB: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """``(I + A)^-1`` for the strictly lower-triangular ``A [C, C]`` at rows ``ws_row..`` of
+    ``ws_a``, using ``ws_t`` (same shape) as scratch; returns it as a register tile."""
+    offs_s = tl.arange(0, 16)
+    offs_c = tl.arange(0, C)
+    offs_b = tl.arange(0, NB)
+    # Diagonal blocks [NB, 16, 16], every block's row r at once.
+    p_d = (ws_row + offs_b[:, None, None] * 16 + offs_s[None, :, None]) * C \
+        + offs_b[:, None, None] * 16 + offs_s[None, None, :]
+    A_d = tl.load(ws_a + p_d)
+    row3 = offs_s[None, :, None] + offs_b[:, None, None] * 0
+    col2 = offs_s[None, :] + offs_b[:, None] * 0
+    inv = tl.where(row3 == offs_s[None, None, :], 1.0, 0.0)
+    for r in range(1, 16):
+        a_r = tl.sum(tl.where(row3 == r, A_d, 0.0), axis=1)  # [NB, 16]: row r of each block
+        new = tl.where(col2 == r, 1.0, 0.0) - tl.sum(a_r[:, :, None] * inv, axis=1)
+        inv = tl.where(row3 == r, new[:, None, :], inv)
+    tl.store(ws_t + p_d, inv)
+    tl.debug_barrier()
+    # Below the diagonal: T_ij = -T_ii Σ_{j<=m<i} A_im T_mj, row block by row block.
+    for i in tl.static_range(1, NB):
+        p_ii = (ws_row + i * 16 + offs_s[:, None]) * C + i * 16 + offs_s[None, :]
+        t_ii = tl.load(ws_t + p_ii)
+        for j in tl.static_range(0, i):
+            acc = tl.zeros([16, 16], dtype=tl.float32)
+            for m in tl.static_range(j, i):
+                a_im = tl.load(ws_a + (ws_row + i * 16 + offs_s[:, None]) * C + m * 16 + offs_s[None, :])
+                t_mj = tl.load(ws_t + (ws_row + m * 16 + offs_s[:, None]) * C + j * 16 + offs_s[None, :])
+                acc = tl.dot(a_im, t_mj, acc, input_precision=DOT_PRECISION)
+            t_ij = -tl.dot(t_ii, acc, input_precision=DOT_PRECISION)
+            tl.store(ws_t + (ws_row + i * 16 + offs_s[:, None]) * C + j * 16 + offs_s[None, :], t_ij)
+        tl.debug_barrier()
+    blk = offs_c // 16
+    return tl.load(ws_t + (ws_row + offs_c[:, None]) * C + offs_c[None, :],
+                   mask=blk[:, None] >= blk[None, :], other=0.0)
+
+
+@triton.jit
+def _chunk_factors(ws_q, ws_k, ws_w, ws_u, ws_p, ws_g, c, ok, i_hv, offs_c, offs_k, offs_v,
+                   HV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V_WS: tl.constexpr, C: tl.constexpr):
+    """Chunk ``c``'s factors for one value head (zeros where not ``ok``: past the sequence,
+    maybe past the workspace): w, u (this program's V columns), q̂ e^Γ, k̂ e^(Γ_C - Γ), P, e^Γ_C."""
+    ws_row = (tl.where(ok, c, 0) * HV + i_hv) * C
+    p_ck = (ws_row + offs_c)[:, None] * BLOCK_K + offs_k[None, :]
+    m_ck = _bcast(ok, p_ck)
+    b_w = tl.load(ws_w + p_ck, mask=m_ck, other=0.0)
+    p_u = (ws_row + offs_c)[:, None] * BLOCK_V_WS + offs_v[None, :]
+    b_u = tl.load(ws_u + p_u, mask=_bcast(ok, p_u), other=0.0)
+    b_qg = tl.load(ws_q + p_ck, mask=m_ck, other=0.0)
+    b_kd = tl.load(ws_k + p_ck, mask=m_ck, other=0.0)
+    p_p = (ws_row + offs_c)[:, None] * C + offs_c[None, :]
+    b_P = tl.load(ws_p + p_p, mask=_bcast(ok, p_p), other=0.0)
+    p_g = (tl.where(ok, c, 0) * HV + i_hv) * BLOCK_K + offs_k
+    e_last = tl.load(ws_g + p_g, mask=_bcast(ok, p_g), other=0.0)
+    return b_w, b_u, b_qg, b_kd, b_P, e_last
+
+
+@triton.jit
+def _chunk_state_kernel(
+    out, state, slot_indices, has_initial, cu_seqlens, chunk_first,
+    ws_q, ws_k, ws_w, ws_u, ws_p, ws_g, chunk_states, chunk_state_idx,
+    num_slots, num_chunk_slots, T, max_chunks,
+    stride_o_t, stride_o_h, stride_s_slot, stride_s_h, stride_s_v, stride_s_k,
+    stride_cs_slot, stride_cs_h, stride_cs_v, stride_cs_k, stride_ci_n, stride_ci_j, chunk_idx_cols,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V_WS: tl.constexpr, BLOCK_V: tl.constexpr, C: tl.constexpr,
+    HAS_INITIAL_FLAGS: tl.constexpr, HAS_CHUNK_STATES: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PREFETCH: tl.constexpr, INTERVAL: tl.constexpr,
+):
+    i_v, i_hv, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    n64 = i_n.to(tl.int64)
+    offs_c = tl.arange(0, C)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_v = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask_k = offs_k < K
+    mask_v = offs_v < V
+    mask_s = mask_v[:, None] & mask_k[None, :]
+
+    slot = tl.load(slot_indices + n64).to(tl.int64)
+    live = (slot >= 0) & (slot < num_slots)  # anything else is a padding row: no pool access
+    read = live
+    if HAS_INITIAL_FLAGS:
+        read = read & (tl.load(has_initial + n64) != 0)
+    p_state = state + tl.where(live, slot, 0) * stride_s_slot + i_hv * stride_s_h \
+        + offs_v[:, None] * stride_s_v + offs_k[None, :] * stride_s_k
+    S = tl.load(p_state, mask=mask_s & _bcast(read, mask_s), other=0.0).to(tl.float32)  # [BLOCK_V, BLOCK_K]
+
+    bos = tl.minimum(tl.maximum(tl.load(cu_seqlens + n64).to(tl.int64), 0), T)
+    eos = tl.maximum(tl.minimum(tl.maximum(tl.load(cu_seqlens + n64 + 1).to(tl.int64), 0), T), bos)
+    c_first = tl.load(chunk_first + n64).to(tl.int64)
+    c_end = tl.minimum(tl.load(chunk_first + n64 + 1).to(tl.int64), max_chunks)  # never past the workspace
+    c = c_first
+    if PREFETCH:  # the first chunk's factors (none when the sequence is empty)
+        b_w, b_u, b_qg, b_kd, b_P, e_last = _chunk_factors(ws_q, ws_k, ws_w, ws_u, ws_p, ws_g, c, c < c_end, i_hv,
+                                                           offs_c, offs_k, offs_v, HV, BLOCK_K, BLOCK_V_WS, C)
+    while c < c_end:
+        t0 = bos + (c - c_first) * C
+        tok = t0 + offs_c
+        if PREFETCH:
+            # This chunk's factors were loaded one step ahead; load the next chunk's now, so
+            # that their latency overlaps this chunk's products.
+            w_c, u_c, qg_c, kd_c, P_c, g_c = b_w, b_u, b_qg, b_kd, b_P, e_last
+            b_w, b_u, b_qg, b_kd, b_P, e_last = _chunk_factors(ws_q, ws_k, ws_w, ws_u, ws_p, ws_g, c + 1,
+                                                               c + 1 < c_end, i_hv, offs_c, offs_k, offs_v,
+                                                               HV, BLOCK_K, BLOCK_V_WS, C)
+        else:
+            w_c, u_c, qg_c, kd_c, P_c, g_c = _chunk_factors(ws_q, ws_k, ws_w, ws_u, ws_p, ws_g, c, c < c_end, i_hv,
+                                                            offs_c, offs_k, offs_v, HV, BLOCK_K, BLOCK_V_WS, C)
+        St = tl.trans(S)  # [BLOCK_K, BLOCK_V]
+        b_U = u_c - tl.dot(w_c, St, input_precision=DOT_PRECISION)  # [C, BLOCK_V]
+        b_o = tl.dot(qg_c, St, input_precision=DOT_PRECISION)
+        b_o = tl.dot(P_c, b_U, b_o, input_precision=DOT_PRECISION)
+        b_o = tl.where(live, b_o, 0.0)
+        tl.store(out + tok[:, None] * stride_o_t + i_hv * stride_o_h + offs_v[None, :],
+                 b_o.to(out.dtype.element_ty), mask=(tok < eos)[:, None] & mask_v[None, :])
+        S = S * g_c[None, :]
+        S = tl.dot(tl.trans(b_U), kd_c, S, input_precision=DOT_PRECISION)  # [BLOCK_V, BLOCK_K]
+        if HAS_CHUNK_STATES:
+            # The state after the sequence's first (j+1)*INTERVAL tokens, when it has that many.
+            EVERY: tl.constexpr = INTERVAL // C
+            steps = c - c_first + 1
+            j = steps // EVERY - 1
+            full = (steps % EVERY == 0) & (t0 + C <= eos) & live & (j < chunk_idx_cols)
+            row = tl.load(chunk_state_idx + n64 * stride_ci_n + tl.where(full, j, 0) * stride_ci_j,
+                          mask=full, other=-1).to(tl.int64)
+            ok = full & (row >= 0) & (row < num_chunk_slots)
+            p_cs = chunk_states + tl.where(ok, row, 0) * stride_cs_slot + i_hv * stride_cs_h \
+                + offs_v[:, None] * stride_cs_v + offs_k[None, :] * stride_cs_k
+            tl.store(p_cs, S.to(chunk_states.dtype.element_ty), mask=mask_s & _bcast(ok, mask_s))
+        c += 1
+    tl.store(p_state, S.to(state.dtype.element_ty), mask=mask_s & _bcast(live, mask_s))
+
+
+_chunk_prep = CachedKernel(_chunk_prep_kernel)
+_chunk_state = CachedKernel(_chunk_state_kernel)
+
+
+def chunk_plan(cu_seqlens: torch.Tensor, chunk: int, max_chunks: int, T: int | None = None):
+    """On the device, no sync: ``chunk_first [N+1]`` (the first global chunk of each
+    sequence; ``chunk_first[N]`` is the chunk count) and ``chunk_seq [max_chunks]`` (the
+    sequence of each global chunk; ``N`` for chunks past the end), int32. Offsets are
+    clamped into ``[0, T]`` as the kernels clamp them."""
+    cu = cu_seqlens.to(torch.int64)
+    if T is not None:
+        cu = cu.clamp(0, T)
+    lens = (cu[1:] - cu[:-1]).clamp_min(0)
+    first = torch.zeros(cu.numel(), dtype=torch.int64, device=cu.device)
+    torch.cumsum((lens + chunk - 1) // chunk, 0, out=first[1:])
+    ids = torch.arange(max_chunks, dtype=torch.int64, device=cu.device)
+    seq = torch.searchsorted(first[1:].contiguous(), ids, right=True)
+    return first.to(torch.int32), seq.to(torch.int32)
+
+
+def max_chunks_for(T: int, N: int, chunk: int = CHUNK_SIZE) -> int:
+    """An upper bound on ``Σ_n ceil(len_n / chunk)`` from shapes alone (``Σ len_n <= T``)."""
+    return T // chunk + N
+
+
+@register("chunk_prefill", "triton")
+def chunk_prefill_triton(q, k, v, g, beta, state, slot_indices, out, *, cu_seqlens, scale, use_qk_l2norm, A_log,
+                         dt_bias, lower_bound, beta_mode, has_initial_state, chunk_states, chunk_state_indices,
+                         config: ChunkConfig | None = None, chunk_state_interval: int = CHUNK_SIZE):
+    """``chunk_state_interval``: tokens between the states written to ``chunk_states`` (a
+    multiple of the kernel's chunk; the public op's is ``CHUNK_SIZE``)."""
+    _, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    N = cu_seqlens.numel() - 1
+    if N == 0 or HV == 0:
+        return out
+    cfg = config or chunk_config(N, HV, K, V)
+    C = cfg.chunk
+    if chunk_states is not None and chunk_state_interval % C:
+        raise ValueError(f"chunk_state_interval={chunk_state_interval} must be a multiple of the chunk ({C}).")
+    BK = triton.next_power_of_2(max(K, 16))
+    BVW = triton.next_power_of_2(max(V, 16))
+    max_chunks = max_chunks_for(T, N, C)
+    first, seq = chunk_plan(cu_seqlens, C, max_chunks, T)
+    dev = q.device
+    rows = max_chunks * HV * C
+    ws_q = torch.empty(rows, BK, dtype=torch.float32, device=dev)
+    ws_k = torch.empty(rows, BK, dtype=torch.float32, device=dev)
+    ws_w = torch.empty(rows, BK, dtype=torch.float32, device=dev)
+    ws_u = torch.empty(rows, BVW, dtype=torch.float32, device=dev)
+    ws_p = torch.empty(rows, C, dtype=torch.float32, device=dev)
+    ws_a = torch.empty(rows, C, dtype=torch.float32, device=dev)
+    ws_g = torch.empty(max_chunks * HV, BK, dtype=torch.float32, device=dev)
+    gate = A_log is not None
+    _chunk_prep(
+        (max_chunks, HV),
+        (q, k, v, g, beta, A_log if gate else q, dt_bias if gate else q, cu_seqlens, first, seq,
+         ws_q, ws_k, ws_w, ws_u, ws_p, ws_a, ws_g, N, T,
+         q.stride(1), q.stride(2), k.stride(1), k.stride(2), v.stride(1), v.stride(2), g.stride(1), g.stride(2),
+         beta.stride(1), beta.stride(2),
+         float(scale), float(lower_bound) if lower_bound is not None else 0.0),
+        dict(H=H, HV=HV, K=K, V=V, BLOCK_K=BK, BLOCK_V=BVW, C=C, SUB_K=min(cfg.sub_k, BK),
+             USE_QK_L2NORM=bool(use_qk_l2norm), GATE_IN_KERNEL=gate, SAFE_GATE=lower_bound is not None,
+             BETA_MODE=int(beta_mode), DOT_PRECISION=cfg.dot_precision,
+             FACTOR_DIAG=lower_bound is not None and cfg.factor_safe_gate),
+        num_warps=cfg.prep_warps, num_stages=1)
+    has_cs = chunk_states is not None
+    cs = chunk_states if has_cs else state
+    ci = chunk_state_indices if has_cs else slot_indices
+    ci_cols = ci.shape[1] if has_cs else 0
+    block_v = min(cfg.block_v, BVW)
+    _chunk_state(
+        (triton.cdiv(V, block_v), HV, N),
+        (out, state, slot_indices, has_initial_state if has_initial_state is not None else slot_indices,
+         cu_seqlens, first, ws_q, ws_k, ws_w, ws_u, ws_p, ws_g, cs, ci,
+         state.shape[0], cs.shape[0], T, max_chunks,
+         out.stride(1), out.stride(2), *state.stride(), *cs.stride(),
+         ci.stride(0), ci.stride(1) if has_cs else 0, ci_cols),
+        dict(H=H, HV=HV, K=K, V=V, BLOCK_K=BK, BLOCK_V_WS=BVW, BLOCK_V=block_v, C=C,
+             HAS_INITIAL_FLAGS=has_initial_state is not None, HAS_CHUNK_STATES=has_cs,
+             DOT_PRECISION=cfg.dot_precision, PREFETCH=cfg.prefetch, INTERVAL=chunk_state_interval),
+        num_warps=cfg.state_warps, num_stages=1)
+    return out
+
+
+@register("chunk_prefill", "reference")
+def chunk_prefill_reference(q, k, v, g, beta, state, slot_indices, out, *, cu_seqlens, scale, use_qk_l2norm, A_log,
+                            dt_bias, lower_bound, beta_mode, has_initial_state, chunk_states, chunk_state_indices,
+                            chunk_size=CHUNK_SIZE, compute_dtype=torch.float32):
+    if beta_mode == BETA_SIGMOID_X2:
+        beta, beta_mode = 2.0 * torch.sigmoid(beta.float()), BETA_AS_IS
+    return reference.chunk_prefill(q, k, v, g, beta, state, slot_indices, out, cu_seqlens=cu_seqlens, scale=scale,
+                                   use_qk_l2norm=use_qk_l2norm, A_log=A_log, dt_bias=dt_bias,
+                                   lower_bound=lower_bound, beta_is_logit=beta_mode == BETA_SIGMOID,
+                                   has_initial_state=has_initial_state, chunk_states=chunk_states,
+                                   chunk_state_indices=chunk_state_indices, chunk_size=chunk_size,
+                                   compute_dtype=compute_dtype)
+
+
+def run_chunk_prefill(q, k, v, g, beta, state, slot_indices, out, *, cu_seqlens, scale=None, use_qk_l2norm=True,
+                      A_log=None, dt_bias=None, lower_bound=None, beta_mode=BETA_AS_IS, has_initial_state=None,
+                      chunk_states=None, chunk_state_indices=None, backend=None):
+    """Dispatch after validation (callers check first)."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if A_log is not None:
+        dt_bias = dt_bias.reshape(-1)
+    _, impl = select("chunk_prefill", q.device, backend)
+    return impl(q, k, v, g, beta, state, slot_indices, out, cu_seqlens=cu_seqlens, scale=scale,
+                use_qk_l2norm=use_qk_l2norm, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+                beta_mode=beta_mode, has_initial_state=has_initial_state, chunk_states=chunk_states,
+                chunk_state_indices=chunk_state_indices)
+
+
+def chunk_prefill(q, k, v, g, beta, state, slot_indices, *, cu_seqlens=None, A_log=None, dt_bias=None,
+                  lower_bound=None, beta_is_logit=False, has_initial_state=None, use_qk_l2norm=True, scale=None,
+                  chunk_states=None, chunk_state_indices=None, out=None, full_checks=None, backend=None):
+    """Chunked varlen KDA prefill over ``state [slots, HV, V, K]`` (see the module doc).
+
+    ``q, k [1, T, H, K]``, ``v [1, T, HV, V]``, ``g [1, T, HV, K]``, ``beta [1, T, HV]``;
+    ``cu_seqlens [N+1]`` (None: one sequence of ``T`` tokens); ``slot_indices [N]`` (a slot
+    < 0 or >= slots is a padding row); ``has_initial_state [N]`` (bool or int; False: start
+    from zeros, the final state is still written). ``g`` is the raw gate when ``A_log
+    [HV]`` (with ``dt_bias [HV*K]``, optional ``lower_bound`` for the safe gate) is given,
+    else the log-decay; ``beta`` is β, or its logit when ``beta_is_logit``.
+    ``chunk_states [scratch, HV, V, K]`` with ``chunk_state_indices [N, M]``: the state of
+    sequence ``n`` after its first ``(j+1) * CHUNK_SIZE`` tokens (64, whatever chunk the
+    kernels use) goes to
+    ``chunk_states[chunk_state_indices[n, j]]`` (rows < 0 or out of range: not written).
+    Returns ``out [1, T, HV, V]`` (allocated zeroed in ``v``'s dtype when not given; rows
+    of tokens outside ``cu_seqlens`` are not written).
+    """
+    if out is None:
+        out = torch.zeros_like(v) if v.dim() == 4 else v.new_zeros(0)
+    if cu_seqlens is None and q.dim() == 4:  # one sequence (a kernel, not a host copy: capturable)
+        cu_seqlens = torch.arange(2, dtype=torch.int32, device=q.device) * q.shape[1]
+    contracts.check_chunk_prefill(q, k, v, g, beta, state, slot_indices, out, cu_seqlens=cu_seqlens, A_log=A_log,
+                                  dt_bias=dt_bias, lower_bound=lower_bound, has_initial_state=has_initial_state,
+                                  chunk_states=chunk_states, chunk_state_indices=chunk_state_indices,
+                                  full_checks=full_checks)
+    beta_mode = BETA_SIGMOID if beta_is_logit else BETA_AS_IS
+    if torch.compiler.is_compiling() or type(q) is not torch.Tensor:  # traced: kdakit/custom_ops.py
+        torch.ops.kdakit.chunk_prefill(q, k, v, g, beta, state, slot_indices, out, cu_seqlens,
+                                       None if scale is None else float(scale), bool(use_qk_l2norm), A_log, dt_bias,
+                                       None if lower_bound is None else float(lower_bound), beta_mode,
+                                       has_initial_state, chunk_states, chunk_state_indices, backend)
+        return out
+    return run_chunk_prefill(q, k, v, g, beta, state, slot_indices, out, cu_seqlens=cu_seqlens, scale=scale,
+                             use_qk_l2norm=use_qk_l2norm, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+                             beta_mode=beta_mode, has_initial_state=has_initial_state, chunk_states=chunk_states,
+                             chunk_state_indices=chunk_state_indices, backend=backend)

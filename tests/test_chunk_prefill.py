@@ -1,0 +1,431 @@
+"""Chunked varlen prefill: the Triton kernels (interpreter) and the reference backend
+against the float64 token-by-token recurrence and fla-core's naive recurrence, on varlen
+batches (length 1, lengths off the chunk grid), GVA, K != V, both gates and the
+log-decay input, a steep unbounded gate, float32 and bf16 pools, has_initial_state mixes,
+padding and out-of-range slots, poisoned pools and outputs, chunk-boundary states; the
+contract's errors with buffers untouched; the custom op under torch.compile."""
+import itertools
+
+import pytest
+import torch
+
+import kdakit
+from kdakit import reference
+from kdakit.ops.chunk_prefill import (BETA_SIGMOID, ChunkConfig, chunk_plan, chunk_prefill_triton,
+                                      max_chunks_for)
+
+from fla_oracle import fla_log_gate, fla_varlen
+from helpers import POISON, assert_close, kda_params, rel_err
+
+F64 = torch.float64
+IEEE16 = ChunkConfig(chunk=16, block_v=16, sub_k=16, dot_precision="ieee")
+IEEE32 = ChunkConfig(chunk=32, block_v=16, sub_k=16, dot_precision="ieee")
+IEEE16P = ChunkConfig(chunk=16, block_v=16, sub_k=16, dot_precision="ieee", prefetch=True)  # next chunk ahead
+ERRORS = {}  # measured relative errors, printed by the last test (pytest -s)
+
+
+def cu_from(seqlens):
+    return torch.tensor([0, *itertools.accumulate(seqlens)], dtype=torch.int32)
+
+
+def make_case(H, HV, K, V, seqlens, *, seed=0, act=torch.float32, state_dtype=torch.float32, slots=6,
+              raw_gate=True, steep=False, extra_tokens=0, slot_stride=None):
+    gen = torch.Generator().manual_seed(seed)
+    T = sum(seqlens) + extra_tokens
+    x = {"q": torch.randn(1, T, H, K, generator=gen), "k": torch.randn(1, T, H, K, generator=gen),
+         "v": torch.randn(1, T, HV, V, generator=gen), "beta": torch.randn(1, T, HV, generator=gen)}
+    if raw_gate:
+        x["g"] = torch.randn(1, T, HV, K, generator=gen)
+        A_log, dt_bias = kda_params(HV, K, generator=gen)
+        if steep:  # log-decay about -20 a token in a quarter of the channels
+            A_log = torch.zeros(HV)
+            x["g"][..., : K // 4] = 20.0 + torch.rand(1, T, HV, K // 4, generator=gen)
+            dt_bias = dt_bias.view(HV, K)
+            dt_bias[:, : K // 4] = 0.0
+            dt_bias = dt_bias.reshape(-1)
+    else:
+        x["g"] = -torch.rand(1, T, HV, K, generator=gen) * 2.0
+        A_log = dt_bias = None
+    x = {n: t.to(act) for n, t in x.items()}
+    inner = HV * V * K
+    stride = slot_stride or inner
+    flat = (torch.randn(slots * stride, generator=gen) * 0.5).to(state_dtype)
+    state = flat.as_strided((slots, HV, V, K), (stride, V * K, K, 1))
+    return x, A_log, dt_bias, cu_from(seqlens), state, T
+
+
+def ref64(x, A_log, dt_bias, cu, state, idx, *, lower_bound=None, has_initial_state=None, chunk_states=None,
+          chunk_state_indices=None, chunk_size=64):
+    pool = state.double()
+    T, HV, V = x["v"].shape[1:]
+    out = torch.full((1, T, HV, V), POISON, dtype=F64)
+    cs = chunk_states.double() if chunk_states is not None else None
+    reference.chunk_prefill(*(x[n].double() for n in ("q", "k", "v", "g", "beta")), pool, idx, out, cu_seqlens=cu,
+                            A_log=None if A_log is None else A_log.double(),
+                            dt_bias=None if dt_bias is None else dt_bias.double(), lower_bound=lower_bound,
+                            beta_is_logit=True, has_initial_state=has_initial_state, chunk_states=cs,
+                            chunk_state_indices=chunk_state_indices, chunk_size=chunk_size, compute_dtype=F64)
+    return out, pool, cs
+
+
+def run_triton(x, A_log, dt_bias, cu, state, idx, out, config, *, lower_bound=None, has_initial_state=None,
+               chunk_states=None, chunk_state_indices=None, interval=None):
+    K = x["q"].shape[-1]
+    return chunk_prefill_triton(x["q"], x["k"], x["v"], x["g"], x["beta"], state, idx, out, cu_seqlens=cu,
+                                scale=K ** -0.5, use_qk_l2norm=True, A_log=A_log, dt_bias=dt_bias,
+                                lower_bound=lower_bound, beta_mode=BETA_SIGMOID, has_initial_state=has_initial_state,
+                                chunk_states=chunk_states, chunk_state_indices=chunk_state_indices, config=config,
+                                chunk_state_interval=interval or config.chunk)
+
+
+def storage(state):
+    return torch.as_strided(state, (state.shape[0] * state.stride(0),), (1,))
+
+
+def check_pool(state, before, ref_pool, written, tol, what):
+    """Written slots match the reference; every other byte of the storage is bitwise unchanged."""
+    for s in written:
+        assert_close(state[s], ref_pool[s], tol, f"{what}: slot {s}")
+    keep = torch.ones(storage(state).numel(), dtype=torch.bool)
+    inner = state[0].numel()
+    for s in written:
+        keep[s * state.stride(0): s * state.stride(0) + inner] = False
+    assert torch.equal(storage(state)[keep], storage(before)[keep]), f"{what}: untouched bytes changed"
+
+
+# ----------------------------------------------------------------------------
+# Against the float64 recurrence
+# ----------------------------------------------------------------------------
+@pytest.mark.parametrize("H,HV,K,V", [(1, 1, 16, 32), (2, 4, 32, 16)], ids=["H1-HV1-K16-V32", "H2-HV4-K32-V16"])
+@pytest.mark.parametrize("gate", ["softplus", "safe", "log-decay"])
+@pytest.mark.parametrize("config", [IEEE16, IEEE32], ids=["chunk16", "chunk32"])
+def test_varlen_against_float64(H, HV, K, V, gate, config):
+    seqlens = [1, 36, 63]  # cu_seqlens [0, 1, 37, 100]: length 1, lengths off the chunk grid
+    x, A_log, dt_bias, cu, state, T = make_case(H, HV, K, V, seqlens, raw_gate=gate != "log-decay", seed=1,
+                                                extra_tokens=2)
+    lb = -5.0 if gate == "safe" else None
+    idx = torch.tensor([4, 0, 2], dtype=torch.int32)
+    before = state.clone()
+    ref_out, ref_pool, _ = ref64(x, A_log, dt_bias, cu, state, idx, lower_bound=lb)
+    out = torch.full((1, T, HV, V), POISON)
+    run_triton(x, A_log, dt_bias, cu, state, idx, out, config, lower_bound=lb)
+    e_out = rel_err(out[:, :100], ref_out[:, :100])
+    ERRORS[f"varlen {gate} {H},{HV},{K},{V} C{config.chunk}"] = e_out
+    assert e_out < 1e-5, e_out
+    assert (out[:, 100:] == POISON).all(), "rows outside cu_seqlens must not be written"
+    check_pool(state, before, ref_pool, [4, 0, 2], 1e-5, "pool")
+
+
+def test_public_entry_default_chunk_and_fla_naive_oracle():
+    """The public call (chunk 64, tf32x3 dots: exact float32 in the interpreter) against float64
+    and fla-core's naive recurrence (K-major states)."""
+    H, HV, K, V = 1, 2, 32, 16
+    seqlens = [70, 1, 129]
+    x, A_log, dt_bias, cu, state, T = make_case(H, HV, K, V, seqlens, seed=2)
+    idx = torch.tensor([5, 1, 3], dtype=torch.int32)
+    initial = [state[int(s)].transpose(-1, -2).clone() for s in idx]
+    ref_out, ref_pool, _ = ref64(x, A_log, dt_bias, cu, state, idx)
+    out = kdakit.chunk_prefill(x["q"], x["k"], x["v"], x["g"], x["beta"], state, idx, cu_seqlens=cu, A_log=A_log,
+                               dt_bias=dt_bias, beta_is_logit=True, backend="triton")
+    assert_close(out, ref_out, 1e-5, "out vs float64")
+    ERRORS["public chunk64 vs float64"] = rel_err(out, ref_out)
+    g_log = fla_log_gate(x["g"], A_log, dt_bias, None)
+    fla_out, _, fla_finals = fla_varlen(x["q"], x["k"], x["v"], g_log, torch.sigmoid(x["beta"]), cu, initial,
+                                        use_qk_l2norm=True)
+    assert_close(out, fla_out, 1e-5, "out vs fla naive")
+    ERRORS["public chunk64 vs fla naive"] = rel_err(out, fla_out)
+    for n, s in enumerate(idx.tolist()):
+        assert_close(state[s], ref_pool[s], 1e-5, f"slot {s} vs float64")
+        assert_close(state[s], fla_finals[n].transpose(-1, -2), 1e-5, f"slot {s} vs fla naive")
+
+
+@pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["softplus", "safe-at-bound"])
+def test_steep_gate_stays_finite_and_accurate(lower_bound):
+    """Softplus gate: log-decay about -20 a token in some channels over a few hundred tokens
+    (forming exp(-Γ) over a chunk would overflow: e^1280); every exponent formed is <= 0.
+    Safe gate at its bound (g ~ -5 in those channels): the in-sub-block factoring reaches
+    e^80 and e^-80, both float32 normals."""
+    H, HV, K, V = 1, 1, 16, 16
+    seqlens = [260, 45]
+    x, A_log, dt_bias, cu, state, T = make_case(H, HV, K, V, seqlens, seed=3, steep=True)
+    g_log = reference.kda_gate(x["g"][0].double(), A_log.double(), dt_bias.double().view(HV, K), lower_bound)
+    assert float(g_log.min()) < (-19.0 if lower_bound is None else -4.99)
+    idx = torch.tensor([1, 2], dtype=torch.int32)
+    ref_out, ref_pool, _ = ref64(x, A_log, dt_bias, cu, state, idx, lower_bound=lower_bound)
+    out = torch.full((1, T, HV, V), POISON)
+    run_triton(x, A_log, dt_bias, cu, state, idx, out, ChunkConfig(chunk=64, block_v=16, sub_k=16),
+               lower_bound=lower_bound)
+    assert torch.isfinite(out).all() and torch.isfinite(state).all()
+    ERRORS[f"steep gate {lower_bound} chunk64"] = rel_err(out, ref_out)
+    assert_close(out, ref_out, 1e-5, "out")
+    for s in (1, 2):
+        assert_close(state[s], ref_pool[s], 1e-5, f"slot {s}")
+
+
+@pytest.mark.parametrize("state_dtype,act", [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
+                                             (torch.float32, torch.bfloat16)], ids=str)
+def test_bf16_pools_and_inputs(state_dtype, act):
+    H, HV, K, V = 1, 2, 16, 32
+    x, A_log, dt_bias, cu, state, T = make_case(H, HV, K, V, [20, 13], seed=4, act=act, state_dtype=state_dtype)
+    idx = torch.tensor([3, 0], dtype=torch.int32)
+    before = state.clone()
+    ref_out, ref_pool, _ = ref64(x, A_log, dt_bias, cu, state, idx, lower_bound=-2.0)
+    out = torch.full((1, T, HV, V), POISON).to(act)
+    run_triton(x, A_log, dt_bias, cu, state, idx, out, IEEE16, lower_bound=-2.0)
+    assert_close(out, ref_out, 2e-2, "out")
+    check_pool(state, before, ref_pool, [3, 0], 2e-2, "pool")
+
+
+def test_padding_out_of_range_slots_initial_state_mix_interleaved_pool():
+    """Slot -1 and slot >= slots are padding rows (zero outputs, no pool access); a sequence
+    without an initial state starts from zeros and still writes its final state; the pool's
+    gaps between slots (interleaved layers) and every other slot stay bitwise."""
+    H, HV, K, V = 1, 2, 16, 16
+    seqlens = [5, 17, 0, 9, 3, 33]
+    slots = 7
+    x, A_log, dt_bias, cu, state, T = make_case(H, HV, K, V, seqlens, seed=5, slots=slots,
+                                                slot_stride=HV * V * K + 24, extra_tokens=3)
+    storage(state)[:] = storage(state) + 0  # materialise
+    storage(state).view(slots, -1)[:, HV * V * K:] = POISON  # the gaps
+    idx = torch.tensor([2, -1, 4, slots + 3, 6, 0], dtype=torch.int32)
+    has_init = torch.tensor([True, True, False, True, False, True])
+    before = state.clone()
+    before_storage = storage(state).clone()
+    ref_out, ref_pool, _ = ref64(x, A_log, dt_bias, cu, state, idx, has_initial_state=has_init)
+    out = torch.full((1, T, HV, V), POISON)
+    run_triton(x, A_log, dt_bias, cu, state, idx, out, IEEE16P, has_initial_state=has_init)
+    covered = int(cu[-1])
+    assert_close(out[:, :covered], ref_out[:, :covered], 1e-5, "out")
+    assert (out[0, int(cu[1]):int(cu[2])] == 0).all(), "padding rows are zero"
+    assert (out[0, int(cu[3]):int(cu[4])] == 0).all(), "out-of-range slots are padding rows"
+    assert (out[:, covered:] == POISON).all()
+    # slot 4 (empty sequence, no initial state) holds zeros; slot 6 starts from zeros
+    assert (state[4] == 0).all()
+    written = [2, 4, 6, 0]
+    for s in written:
+        assert_close(state[s], ref_pool[s], 1e-5, f"slot {s}")
+    keep = torch.ones(before_storage.numel(), dtype=torch.bool)
+    for s in written:
+        keep[s * state.stride(0): s * state.stride(0) + HV * V * K] = False
+    assert torch.equal(storage(state)[keep], before_storage[keep])
+    assert torch.equal(state[[1, 3, 5]], before[[1, 3, 5]])
+
+
+def test_chunk_boundary_states():
+    """The state after every CHUNK tokens goes to its scratch row (prefix caching); rows
+    < 0 or out of range are skipped, the rest of the scratch stays bitwise."""
+    H, HV, K, V = 1, 1, 16, 16
+    seqlens = [40, 16, 5, 50]
+    x, A_log, dt_bias, cu, state, T = make_case(H, HV, K, V, seqlens, seed=6, slots=5)
+    idx = torch.tensor([0, 1, 2, -1], dtype=torch.int32)
+    scratch = torch.full((6, HV, V, K), POISON)
+    rows = torch.tensor([[0, 3, 5], [4, -1, -1], [1, 2, -1], [5, 5, 5]], dtype=torch.int32)
+    rows[0, 1] = 17  # out of range: skipped
+    before = scratch.clone()
+    _, ref_pool, ref_scratch = ref64(x, A_log, dt_bias, cu, state, idx, chunk_states=scratch,
+                                     chunk_state_indices=rows, chunk_size=16)
+    out = torch.zeros(1, T, HV, V)
+    run_triton(x, A_log, dt_bias, cu, state, idx, out, IEEE16P, chunk_states=scratch, chunk_state_indices=rows)
+    # Every 32 tokens from 16-token chunks: only the state after token 32 of sequence 0.
+    scratch32 = torch.full((6, HV, V, K), POISON)
+    rows32 = torch.tensor([[2, 3], [-1, -1], [-1, -1], [5, 5]], dtype=torch.int32)
+    state32 = state.clone()
+    _, _, ref32 = ref64(x, A_log, dt_bias, cu, state32, idx, chunk_states=scratch32, chunk_state_indices=rows32,
+                        chunk_size=32)
+    run_triton(x, A_log, dt_bias, cu, state32, idx, out, IEEE16, chunk_states=scratch32, chunk_state_indices=rows32,
+               interval=32)
+    assert_close(scratch32[2], ref32[2], 1e-5, "every 32 tokens: row 2")
+    assert torch.equal(scratch32[[0, 1, 3, 4, 5]], torch.full((5, HV, V, K), POISON)), "only row 2 is a boundary"
+    # seq 0 (40 tokens): boundaries after 16 -> row 0, after 32 -> row 17 (skipped); seq 1 (16): row 4
+    # (its final state); seq 2 (5 tokens): none; seq 3 is a padding row: nothing.
+    for r in (0, 4):
+        assert_close(scratch[r], ref_scratch[r], 1e-5, f"scratch row {r}")
+    assert_close(scratch[4], ref_pool[1], 1e-5, "a boundary at the end is the final state")
+    for r in (1, 2, 3, 5):
+        assert torch.equal(scratch[r], before[r]), f"scratch row {r} must not be written"
+
+
+def test_reference_backend_and_plan():
+    H, HV, K, V = 1, 2, 16, 16
+    x, A_log, dt_bias, cu, state, T = make_case(H, HV, K, V, [3, 0, 8], seed=7)
+    idx = torch.tensor([1, 2, 3], dtype=torch.int32)
+    ref_out, ref_pool, _ = ref64(x, A_log, dt_bias, cu, state, idx, lower_bound=-1.0)
+    out = kdakit.chunk_prefill(x["q"], x["k"], x["v"], x["g"], x["beta"], state, idx, cu_seqlens=cu, A_log=A_log,
+                               dt_bias=dt_bias, lower_bound=-1.0, beta_is_logit=True, backend="reference")
+    assert_close(out, ref_out, 1e-5, "out")
+    for s in (1, 2, 3):
+        assert_close(state[s], ref_pool[s], 1e-5, f"slot {s}")
+    first, seq = chunk_plan(torch.tensor([0, 1, 37, 37, 100]), 16, max_chunks_for(100, 4, 16))
+    assert first.tolist() == [0, 1, 4, 4, 8]
+    assert seq.tolist() == [0, 1, 1, 1, 3, 3, 3, 3] + [4] * (len(seq) - 8)
+
+
+# ----------------------------------------------------------------------------
+# The contract
+# ----------------------------------------------------------------------------
+def _inputs():
+    x, A_log, dt_bias, cu, state, T = make_case(1, 2, 16, 16, [3, 4], seed=8, slots=4)
+    return dict(q=x["q"], k=x["k"], v=x["v"], g=x["g"], beta=x["beta"], state=state,
+                slot_indices=torch.tensor([0, 1], dtype=torch.int32)), dict(cu_seqlens=cu, A_log=A_log,
+                                                                             dt_bias=dt_bias)
+
+
+@pytest.mark.parametrize("breaker,match", [
+    (lambda a, kw: a.update(slot_indices=torch.zeros(2, 3, dtype=torch.int32)), "must be 1D"),
+    (lambda a, kw: a.update(slot_indices=torch.zeros(3, dtype=torch.int32)), "number of initial states"),
+    (lambda a, kw: kw.update(has_initial_state=torch.ones(3, dtype=torch.bool)), "has_initial_state"),
+    (lambda a, kw: kw.update(has_initial_state=torch.ones(2)), "has_initial_state"),
+    (lambda a, kw: kw.update(chunk_states=torch.zeros(2, 2, 16, 16)), "go together"),
+    (lambda a, kw: kw.update(chunk_states=torch.zeros(2, 2, 16, 8), chunk_state_indices=torch.zeros(2, 1).int()),
+     "chunk_states"),
+    (lambda a, kw: kw.update(chunk_states=torch.zeros(2, 2, 16, 16), chunk_state_indices=torch.zeros(3, 1).int()),
+     "chunk_state_indices"),
+    (lambda a, kw: a.update(q=a["q"][:, :, :, :8]), "`k` must have the shape"),
+    (lambda a, kw: kw.update(lower_bound=-7.0), "lower_bound"),
+    (lambda a, kw: a.update(state=a["state"].transpose(-1, -2)), "state"),
+    (lambda a, kw: a.update(slot_indices=torch.tensor([0, 9], dtype=torch.int32)) or kw.update(full_checks=True),
+     "out of range"),
+    (lambda a, kw: kw.update(cu_seqlens=torch.tensor([0, 5, 4], dtype=torch.int32), full_checks=True),
+     "cu_seqlens"),
+])
+def test_contract_errors_leave_buffers_untouched(breaker, match):
+    args, kw = _inputs()
+    breaker(args, kw)
+    before = args["state"].clone()
+    out = torch.full_like(args["v"], 3.0)
+    with pytest.raises(ValueError, match=match):
+        kdakit.chunk_prefill(args["q"], args["k"], args["v"], args["g"], args["beta"], args["state"],
+                             args["slot_indices"], out=out, beta_is_logit=True, backend="triton", **kw)
+    assert torch.equal(args["state"], before) and (out == 3.0).all()
+
+
+def test_custom_op_under_compile_matches_eager():
+    torch._dynamo.reset()
+    args, kw = _inputs()
+    eager_state = args["state"].clone()
+    eager_out = kdakit.chunk_prefill(*(args[n] for n in ("q", "k", "v", "g", "beta")), eager_state,
+                                     args["slot_indices"], beta_is_logit=True, backend="reference", **kw)
+
+    def fn(q, k, v, g, beta, state, idx, cu, A_log, dt_bias):
+        out = kdakit.chunk_prefill(q, k, v, g, beta, state, idx, cu_seqlens=cu, A_log=A_log, dt_bias=dt_bias,
+                                   beta_is_logit=True, backend="reference")
+        return out, out.sum()
+
+    state = args["state"].clone()
+    out, _ = torch.compile(fn, fullgraph=True, backend="aot_eager")(
+        *(args[n] for n in ("q", "k", "v", "g", "beta")), state, args["slot_indices"], kw["cu_seqlens"],
+        kw["A_log"], kw["dt_bias"])
+    assert torch.equal(out, eager_out) and torch.equal(state, eager_state)
+    torch._dynamo.reset()
+    K = args["q"].shape[-1]
+    torch.library.opcheck(torch.ops.kdakit.chunk_prefill.default,
+                          (*(args[n] for n in ("q", "k", "v", "g", "beta")), args["state"].clone(),
+                           args["slot_indices"], torch.zeros_like(args["v"]), kw["cu_seqlens"], K ** -0.5, True,
+                           kw["A_log"], kw["dt_bias"], None, BETA_SIGMOID, None, None, None, "reference"),
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+# ----------------------------------------------------------------------------
+# kdakit.compat.fla.chunk_kda (fla-core 0.6.0's signature)
+# ----------------------------------------------------------------------------
+@pytest.mark.parametrize("layout", ["k-major", "v-first"])
+def test_compat_chunk_kda_against_fla_naive(layout, monkeypatch):
+    from kdakit.compat.fla import chunk_kda
+    monkeypatch.setenv("KDAKIT_BACKEND", "triton")
+    H, HV, K, V = 1, 2, 16, 32
+    seqlens = [3, 70]
+    x, A_log, dt_bias, cu, _, T = make_case(H, HV, K, V, seqlens, seed=9)
+    gen = torch.Generator().manual_seed(10)
+    h0 = torch.randn(len(seqlens), HV, K, V, generator=gen) * 0.5  # K-major, fla's default
+    init = h0 if layout == "k-major" else h0.transpose(-1, -2).contiguous()
+    init_before = init.clone()
+    lb = -3.0 if layout == "v-first" else None
+    o, ht = chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=init, output_final_state=True,
+                      use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                      safe_gate=lb is not None, lower_bound=lb, state_v_first=layout == "v-first",
+                      cu_seqlens=cu.long(), A_log=A_log, dt_bias=dt_bias)
+    assert torch.equal(init, init_before), "fla's chunk_kda never writes initial_state"
+    g_log = fla_log_gate(x["g"], A_log, dt_bias, lb)
+    ref_out, _, finals = fla_varlen(x["q"], x["k"], x["v"], g_log, torch.sigmoid(x["beta"]), cu, list(h0),
+                                    use_qk_l2norm=True)
+    assert_close(o, ref_out, 1e-5, "o")
+    for n in range(len(seqlens)):
+        got = ht[n] if layout == "k-major" else ht[n].transpose(-1, -2)
+        assert_close(got, finals[n], 1e-5, f"final state {n}")
+
+
+def test_compat_chunk_kda_equal_length_batch_no_initial_state(monkeypatch):
+    from kdakit.compat.fla import chunk_kda
+    monkeypatch.setenv("KDAKIT_BACKEND", "triton")
+    H, HV, K, V = 1, 1, 16, 16
+    x, _, _, _, _, T = make_case(H, HV, K, V, [40], seed=11, raw_gate=False)  # log-decay g, beta in (0, 1)
+    x = {n: t.reshape(2, 20, *t.shape[2:]) for n, t in x.items()}
+    beta = torch.sigmoid(x["beta"])
+    o, ht = chunk_kda(x["q"], x["k"], x["v"], x["g"], beta, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    flat = {n: t.reshape(1, 40, *t.shape[2:]) for n, t in x.items()}
+    ref_out, _, finals = fla_varlen(flat["q"], flat["k"], flat["v"], flat["g"], beta.reshape(1, 40, HV),
+                                    torch.tensor([0, 20, 40]), [None, None], use_qk_l2norm=True)
+    assert_close(o.reshape(1, 40, HV, V), ref_out, 1e-5, "o")
+    for n in range(2):
+        assert_close(ht[n], finals[n], 1e-5, f"final state {n}")
+    with pytest.raises(ValueError, match="A_log` must be provided"):
+        chunk_kda(x["q"], x["k"], x["v"], x["g"], beta, use_gate_in_kernel=True)
+    with pytest.raises(ValueError, match="batch size is expected to be 1"):
+        chunk_kda(x["q"], x["k"], x["v"], x["g"], beta, cu_seqlens=torch.tensor([0, 20]))
+
+
+def test_offsets_past_the_inputs_read_nothing_outside():
+    """Default checks do not read cu_seqlens; offsets beyond T (or falling) must still keep
+    every access inside the buffers: the inputs here are views into NaN-padded storage, so
+    a read past token T would show up as NaN."""
+    H, HV, K, V = 1, 1, 16, 16
+    x, A_log, dt_bias, _, state, T = make_case(H, HV, K, V, [40], seed=12, slots=3)
+    padded = {}
+    for n, t in x.items():
+        big = torch.full((1, T + 40, *t.shape[2:]), float("nan"))
+        big[:, :T] = t
+        padded[n] = big[:, :T]
+    cu = torch.tensor([0, 30, 10, 500], dtype=torch.int32)  # falls, then runs past T = 40
+    idx = torch.tensor([0, 1, 2], dtype=torch.int32)
+    out = torch.zeros(1, T + 40, HV, V)[:, :T]
+    run_triton(padded, A_log, dt_bias, cu, state, idx, out, IEEE16)
+    assert torch.isfinite(out).all() and torch.isfinite(state).all()
+    storage_out = torch.as_strided(out, (T + 40, HV * V), (HV * V, 1))
+    assert (storage_out[T:] == 0).all(), "nothing written past token T"
+
+
+@pytest.mark.parametrize("K,V", [(128, 64), (64, 128)])
+def test_real_head_dims_default_config(K, V):
+    """The public call's own launch config (chunk 64, tf32x3, V tiles from the shapes) at
+    real head dims, K != V."""
+    x, A_log, dt_bias, cu, state, T = make_case(1, 1, K, V, [5, 66], seed=13, slots=3)
+    idx = torch.tensor([2, 0], dtype=torch.int32)
+    before = state.clone()
+    ref_out, ref_pool, _ = ref64(x, A_log, dt_bias, cu, state, idx)
+    out = kdakit.chunk_prefill(x["q"], x["k"], x["v"], x["g"], x["beta"], state, idx, cu_seqlens=cu, A_log=A_log,
+                               dt_bias=dt_bias, beta_is_logit=True, backend="triton")
+    ERRORS[f"public K{K} V{V}"] = rel_err(out, ref_out)
+    assert_close(out, ref_out, 1e-5, "out")
+    check_pool(state, before, ref_pool, [2, 0], 1e-5, "pool")
+
+
+@pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["softplus-steep", "safe-at-bound"])
+def test_chunk_form_algebra_in_float64(lower_bound):
+    """The chunk form the kernels implement (tests/chunk_oracle.py) equals the recurrence
+    to float64 rounding, steep gates included: the algebra, independent of any kernel."""
+    from chunk_oracle import chunk_form
+    H, HV, K, V = 1, 1, 16, 8
+    x, A_log, dt_bias, cu, state, T = make_case(H, HV, K, V, [150], seed=14, steep=True, slots=1)
+    idx = torch.tensor([0], dtype=torch.int32)
+    ref_out, ref_pool, _ = ref64(x, A_log, dt_bias, cu, state, idx, lower_bound=lower_bound)
+    qh, kh = reference.prepare_qk(x["q"][0].double(), x["k"][0].double(), HV, K ** -0.5)
+    g = reference.kda_gate(x["g"][0].double(), A_log.double(), dt_bias.double().view(HV, K), lower_bound)
+    for chunk in (16, 64):
+        o, S = chunk_form(qh[:, 0], kh[:, 0], x["v"][0, :, 0], g[:, 0], torch.sigmoid(x["beta"][0, :, 0].double()),
+                          state[0, 0], chunk)
+        assert rel_err(o, ref_out[0, :, 0]) < 1e-12 and rel_err(S, ref_pool[0, 0]) < 1e-12
+
+
+def test_zz_print_errors():
+    for name, err in ERRORS.items():
+        print(f"{name}: rel err {err:.2e}")
