@@ -200,3 +200,11 @@ def test_launcher_forced_public(monkeypatch):
 def test_installed_triton_in_supported_range():
     """The installed Triton is one the package declares (pyproject's range)."""
     assert (3, 5) <= launch.triton_version() < (4, 0)
+
+
+def test_host_side_integer_helpers_match_triton():
+    for n in range(0, 5000):
+        assert launch.next_power_of_2(n) == triton.next_power_of_2(n), n
+    for a in range(0, 300):
+        for b in (1, 2, 3, 7, 16, 64, 100):
+            assert launch.cdiv(a, b) == triton.cdiv(a, b), (a, b)

@@ -62,7 +62,7 @@ import triton.language as tl
 
 from .. import contracts, reference
 from ..backends import register, select
-from .launch import CachedKernel
+from .launch import CachedKernel, cdiv, next_power_of_2
 from .triton_math import kda_log_decay
 
 CHUNK_SIZE = 64  # tokens per chunk on the GPU (prefix-cache boundaries come every CHUNK_SIZE tokens)
@@ -94,14 +94,14 @@ def chunk_config(N: int, HV: int, K: int, V: int, chunk: int = CHUNK_SIZE) -> Ch
     wide = max(K, V) > 128  # head dims up to 256: 32-token chunks and V tiles of <= 32 rows keep tiles in budget
     if wide:
         chunk = min(chunk, 32)
-    bv_max = max(16, triton.next_power_of_2(V))
+    bv_max = max(16, next_power_of_2(V))
     block_v = 16
     for bv in (64, 32):
-        if N * HV * triton.cdiv(V, bv) >= 264:
+        if N * HV * cdiv(V, bv) >= 264:
             block_v = bv
             break
     block_v = min(block_v, bv_max, 32 if wide else 64)
-    sub_k = min(32, triton.next_power_of_2(max(K, 16)))
+    sub_k = min(32, next_power_of_2(max(K, 16)))
     return ChunkConfig(chunk=chunk, block_v=block_v, sub_k=sub_k,
                        prep_warps=4 if chunk <= 32 else 8, state_warps=4)
 
@@ -435,8 +435,8 @@ def chunk_prefill_triton(q, k, v, g, beta, state, slot_indices, out, *, cu_seqle
     C = cfg.chunk
     if chunk_states is not None and chunk_state_interval % C:
         raise ValueError(f"chunk_state_interval={chunk_state_interval} must be a multiple of the chunk ({C}).")
-    BK = triton.next_power_of_2(max(K, 16))
-    BVW = triton.next_power_of_2(max(V, 16))
+    BK = next_power_of_2(max(K, 16))
+    BVW = next_power_of_2(max(V, 16))
     max_chunks = max_chunks_for(T, N, C)
     first, seq = chunk_plan(cu_seqlens, C, max_chunks, T)
     dev = q.device
@@ -467,7 +467,7 @@ def chunk_prefill_triton(q, k, v, g, beta, state, slot_indices, out, *, cu_seqle
     ci_cols = ci.shape[1] if has_cs else 0
     block_v = min(cfg.block_v, BVW)
     _chunk_state(
-        (triton.cdiv(V, block_v), HV, N),
+        (cdiv(V, block_v), HV, N),
         (out, state, slot_indices, has_initial_state if has_initial_state is not None else slot_indices,
          cu_seqlens, first, ws_q, ws_k, ws_w, ws_u, ws_p, ws_g, cs, ci,
          state.shape[0], cs.shape[0], T, max_chunks,

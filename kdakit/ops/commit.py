@@ -14,7 +14,7 @@ import triton.language as tl
 
 from .. import contracts, errors, reference
 from ..backends import register, select
-from .launch import CachedKernel
+from .launch import CachedKernel, cdiv, next_power_of_2
 from .mtp_verify import recurrence_tile
 from .triton_math import count_bad_row, delta_rule_update, l2_normalize, mask_if
 
@@ -182,9 +182,9 @@ def commit_ring_triton(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, a
     if N == 0 or num_layers == 0:
         return
     block_v, num_warps = recurrence_tile(V, K)
-    tiles = max(1, min(COMMIT_TILES, triton.cdiv(V, block_v)))
+    tiles = max(1, min(COMMIT_TILES, cdiv(V, block_v)))
     track = track_slots is not None
-    grid = (triton.cdiv(V, block_v * tiles), num_layers * HV, N)
+    grid = (cdiv(V, block_v * tiles), num_layers * HV, N)
     _commit_ring(grid, (
         state, ring_k, ring_v, ring_g, ring_beta, slot_indices, accept_lens,
         track_slots if track else slot_indices, track_steps if track else accept_lens, errors.counters(state.device),
@@ -192,7 +192,7 @@ def commit_ring_triton(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, a
         ring_k.stride(0) if layered else 0, ring_k.stride(1), ring_v.stride(0) if layered else 0, ring_v.stride(1),
         ring_g.stride(0) if layered else 0, ring_g.stride(1), ring_beta.stride(0) if layered else 0,
         ring_beta.stride(1), ring_len, int(null_block_id), state.shape[1]),
-        dict(H=H, HV=HV, K=K, V=V, BLOCK_K=triton.next_power_of_2(K),
+        dict(H=H, HV=HV, K=K, V=V, BLOCK_K=next_power_of_2(K),
              BLOCK_V=block_v, TILES=tiles, STEPS_AHEAD=COMMIT_STEPS_AHEAD,
              USE_QK_L2NORM=bool(use_qk_l2norm), TRACK=track, ERR_INDEX=errors.INDEX["commit_ring"]),
         num_warps=num_warps, num_stages=1)
@@ -284,9 +284,9 @@ def commit_ring(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, accept_l
 # ----------------------------------------------------------------------------
 def _gather_copy_launch(src, dst, slot_indices, scratch_indices, accepted_steps, rows, cols,
                         src_rc_strides, dst_rc_strides, bounds, err_index):
-    block_c = triton.next_power_of_2(cols)
-    block_r = max(1, min(triton.next_power_of_2(rows), 4096 // block_c))
-    grid = (triton.cdiv(rows, block_r), slot_indices.shape[0])
+    block_c = next_power_of_2(cols)
+    block_r = max(1, min(next_power_of_2(rows), 4096 // block_c))
+    grid = (cdiv(rows, block_r), slot_indices.shape[0])
     _gather_copy(grid, (src, dst, slot_indices, scratch_indices, accepted_steps, errors.counters(src.device),
                         src.stride(0), src.stride(1), *src_rc_strides, dst.stride(0), *dst_rc_strides, *bounds),
                  dict(ROWS=rows, COLS=cols, BLOCK_R=block_r, BLOCK_C=block_c, ERR_INDEX=err_index),

@@ -16,7 +16,7 @@ from triton.language.extra.cuda import gdc_launch_dependents
 
 from .. import contracts, errors, reference
 from ..backends import register, select
-from .launch import CachedKernel
+from .launch import CachedKernel, cdiv, next_power_of_2
 from .triton_math import count_bad_row, short_conv_update
 
 
@@ -50,7 +50,7 @@ _causal_conv1d_update = CachedKernel(_causal_conv1d_update_kernel)
 def _launch_config(channels: int) -> tuple:
     """(BLOCK_C, num_warps), pinned (no autotune): 256 channels (4 a thread, 2 warps) per
     program; a few KB of window per program keeps many programs in flight at B = 1."""
-    block_c = min(256, triton.next_power_of_2(channels))
+    block_c = min(256, next_power_of_2(channels))
     return block_c, 2 if block_c >= 256 else 1
 
 
@@ -68,11 +68,11 @@ def causal_conv1d_update_triton(x, conv_state, weight, slot_indices, out, *, bia
     W = weight.shape[1]
     block_c, num_warps = config or _launch_config(C)
     _causal_conv1d_update(
-        (triton.cdiv(C, block_c), B, 1),
+        (cdiv(C, block_c), B, 1),
         (x, conv_state, weight, bias if bias is not None else weight, slot_indices, out, errors.counters(x.device),
          C, conv_state.shape[0] if num_slots is None else num_slots, x.stride(0), out.stride(0),
          conv_state.stride(0), conv_state.stride(1), conv_state.stride(2)),
-        dict(W=W, BLOCK_C=block_c, BLOCK_TAPS=triton.next_power_of_2(W - 1), HAS_BIAS=bias is not None,
+        dict(W=W, BLOCK_C=block_c, BLOCK_TAPS=next_power_of_2(W - 1), HAS_BIAS=bias is not None,
              LAUNCH_DEPENDENTS=bool(launch_dependents), ERR_INDEX=err_index),
         num_warps=num_warps, num_stages=1)
     return out

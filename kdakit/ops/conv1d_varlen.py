@@ -24,7 +24,7 @@ import triton.language as tl
 
 from .. import contracts, reference
 from ..backends import register, select
-from .launch import CachedKernel
+from .launch import CachedKernel, cdiv, next_power_of_2
 
 
 @triton.jit
@@ -165,7 +165,7 @@ def _launch_config(x: torch.Tensor, channels: int) -> tuple:
     """(BLOCK_T, BLOCK_C, num_warps), pinned (no autotune). Tiles of 32 tokens x 128 channels
     (4 KB of bf16 read and written per program, 4 warps); 64 tokens x 64 channels when x is the
     transposed view (tokens contiguous), so each channel's run of a tile fills a 128-byte line."""
-    block_c = min(64 if x.stride(0) == 1 and x.shape[0] > 1 else 128, triton.next_power_of_2(channels))
+    block_c = min(64 if x.stride(0) == 1 and x.shape[0] > 1 else 128, next_power_of_2(channels))
     block_t = 64 if block_c == 64 else 32
     return block_t, block_c, 4
 
@@ -185,14 +185,14 @@ def causal_conv1d_varlen_triton(x, conv_state, weight, cu_seqlens, slot_indices,
         raise ValueError(f"BLOCK_T={block_t} must be >= W-1={W - 1} (a sequence's window readers span two tiles "
                          "at most).")
     _causal_conv1d_varlen(
-        (triton.cdiv(C, block_c), triton.cdiv(T, block_t), 1),
+        (cdiv(C, block_c), cdiv(T, block_t), 1),
         (x, conv_state, weight, bias if bias is not None else weight, cu_seqlens, slot_indices,
          has_initial_state if has_initial_state is not None else slot_indices, out,
          T, C, N, conv_state.shape[0], 1 << max(N.bit_length() - 1, 0),
          x.stride(0), x.stride(1), out.stride(0), out.stride(1),
          conv_state.stride(0), conv_state.stride(1), conv_state.stride(2)),
-        dict(W=W, BLOCK_T=block_t, BLOCK_C=block_c, BLOCK_SPILL=triton.next_power_of_2(max(W - 2, 1)),
-             BLOCK_TAPS=triton.next_power_of_2(W - 1), HAS_BIAS=bias is not None,
+        dict(W=W, BLOCK_T=block_t, BLOCK_C=block_c, BLOCK_SPILL=next_power_of_2(max(W - 2, 1)),
+             BLOCK_TAPS=next_power_of_2(W - 1), HAS_BIAS=bias is not None,
              HAS_INIT_FLAGS=has_initial_state is not None, SILU=bool(activation)),
         num_warps=num_warps, num_stages=1)
     return out

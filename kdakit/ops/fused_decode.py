@@ -20,7 +20,7 @@ from .. import contracts, errors, reference
 from ..backends import register, select
 from .conv1d_update import causal_conv1d_update_triton
 from .gated_rmsnorm import gated_rmsnorm_after
-from .launch import CachedKernel, arrival_counters, pdl_available
+from .launch import CachedKernel, arrival_counters, cdiv, next_power_of_2, pdl_available
 from .packed_decode import _launch_config as packed_launch_config
 from .packed_decode import packed_decode_triton
 from .triton_math import (conv_apply, conv_inputs, count_bad_row, delta_rule_update, gated_rmsnorm_rows,
@@ -193,7 +193,7 @@ def _launch_config(batch: int, H: int, HV: int, V: int, K: int) -> tuple:
     head); beyond, one one-warp program per head streams its 4 KB tiles (N = 32: 44.1 us
     against 46.2 for two programs per head). GVA shares a key head's q/k windows between
     value heads, so it always splits; past 256 pairs in one 4 KB tile per program."""
-    rows = max(1, min(triton.next_power_of_2(V), 4096 // (triton.next_power_of_2(K) * 4)))
+    rows = max(1, min(next_power_of_2(V), 4096 // (next_power_of_2(K) * 4)))
     pairs = batch * HV
     if pairs <= 64:
         return 2 * rows, 1, 1
@@ -201,7 +201,7 @@ def _launch_config(batch: int, H: int, HV: int, V: int, K: int) -> tuple:
         return rows, 4, 1
     if HV != H:
         return rows, 1, 1
-    return rows, triton.cdiv(V, rows), 1
+    return rows, cdiv(V, rows), 1
 
 
 # Above this many (request, value head) pairs the three-kernel chain (conv update, packed
@@ -282,8 +282,8 @@ def fused_decode_triton(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, stat
                               norm_weight=norm_weight, norm_eps=norm_eps, pdl=pdl)
     has_norm = norm_weight is not None
     block_v, v_tiles, num_warps = plan
-    v_tiles = min(v_tiles, triton.cdiv(V, block_v))  # no program streams tiles past V
-    programs_per_head = triton.cdiv(V, block_v * v_tiles)
+    v_tiles = min(v_tiles, cdiv(V, block_v))  # no program streams tiles past V
+    programs_per_head = cdiv(V, block_v * v_tiles)
     split = programs_per_head * (HV // H) > 1
     W = conv_weight.shape[1]
     _fused_decode(
@@ -294,9 +294,9 @@ def fused_decode_triton(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, stat
          qkv.stride(0), conv_state.stride(0), conv_state.stride(1), conv_state.stride(2), a.stride(0), b.stride(0),
          state.stride(0), norm_gate.stride(0) if has_norm else 0, min(state.shape[0], conv_state.shape[0]),
          float(scale), float(lower_bound) if lower_bound is not None else 0.0, float(norm_eps)),
-        dict(H=H, HV=HV, GROUP=HV // H, K=K, V=V, W=W, BLOCK_K=triton.next_power_of_2(K), BLOCK_V=block_v,
-             V_TILES=v_tiles, PROGRAMS_PER_HEAD=programs_per_head, BLOCK_V_ROW=triton.next_power_of_2(V),
-             BLOCK_TAPS=triton.next_power_of_2(W - 1), HAS_CONV_BIAS=conv_bias is not None,
+        dict(H=H, HV=HV, GROUP=HV // H, K=K, V=V, W=W, BLOCK_K=next_power_of_2(K), BLOCK_V=block_v,
+             V_TILES=v_tiles, PROGRAMS_PER_HEAD=programs_per_head, BLOCK_V_ROW=next_power_of_2(V),
+             BLOCK_TAPS=next_power_of_2(W - 1), HAS_CONV_BIAS=conv_bias is not None,
              SAFE_GATE=lower_bound is not None, HAS_NORM=has_norm, ERR_INDEX=errors.INDEX["fused_decode"]),
         num_warps=num_warps, num_stages=1)
     return out

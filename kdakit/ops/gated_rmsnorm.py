@@ -13,7 +13,7 @@ from triton.language.extra.cuda import gdc_wait
 
 from .. import contracts, reference
 from ..backends import register, select
-from .launch import CachedKernel
+from .launch import CachedKernel, cdiv, next_power_of_2
 from .triton_math import gated_rmsnorm_tile
 
 
@@ -53,7 +53,7 @@ def _launch_config(V: int, rows: int) -> tuple:
     fused_decode_norm_rows_h200.json: N = 512 requests x 32 heads 575.7 us against 587.1
     for the step, N = 128 152.4 against 153.6; at 1024 rows and below one row a program
     was as fast or faster: N = 32 41.65 against 41.9-42.1)."""
-    block_v = triton.next_power_of_2(V)
+    block_v = next_power_of_2(V)
     per_program = 8 if rows > 2048 and block_v <= 1024 else 1
     return per_program, min(8, max(1, per_program * block_v // 256))
 
@@ -69,9 +69,9 @@ def gated_rmsnorm_triton(x, gate, weight, out, *, eps, groups, wait_for_x=False,
     V = x.shape[-1]
     rows_per_program, num_warps = config or _launch_config(V, rows)
     _gated_rmsnorm(
-        (triton.cdiv(rows, rows_per_program), 1, 1),
+        (cdiv(rows, rows_per_program), 1, 1),
         (x, gate, weight, out, rows, n_inner, sxo, sxi, sgo, sgi, soo, soi, float(eps)),
-        dict(V=V, BLOCK_V=triton.next_power_of_2(V), ROWS=rows_per_program, WAIT_FOR_X=bool(wait_for_x)),
+        dict(V=V, BLOCK_V=next_power_of_2(V), ROWS=rows_per_program, WAIT_FOR_X=bool(wait_for_x)),
         num_warps=num_warps, num_stages=1, launch_pdl=bool(wait_for_x))
     return out
 

@@ -67,6 +67,17 @@ def _fall_back(error: Exception) -> None:
                   "launch through the public kernel[grid](...) call from now on.", RuntimeWarning, stacklevel=3)
 
 
+def next_power_of_2(n: int) -> int:
+    """``triton.next_power_of_2`` in plain Python (0 stays 0): Triton's is a constexpr function,
+    and a host-side call of it costs microseconds, several times per launch."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
+def cdiv(a: int, b: int) -> int:
+    """``triton.cdiv`` in plain Python, for the same reason."""
+    return -(-a // b)
+
+
 def compile_only_target():
     """The GPU target of compile-only mode, or None."""
     name = os.environ.get("KDAKIT_COMPILE_ONLY", "")

@@ -25,7 +25,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from .. import contracts, errors, reference
 from ..backends import register, select
 from .gated_rmsnorm import gated_rmsnorm_after
-from .launch import CachedKernel, pdl_available
+from .launch import CachedKernel, cdiv, next_power_of_2, pdl_available
 from .ring_verify import ring_verify
 from .triton_math import count_bad_row, delta_rule_update, kda_log_decay, l2_normalize, mask_if, verify_request
 from .verify_conv import verify_conv
@@ -134,8 +134,8 @@ def recurrence_tile(V: int, K: int) -> tuple[int, int]:
     so its reductions round exactly like the verify's and a ring commit equals a snapshot
     commit bitwise; that is also why the output norm runs as a second kernel rather than on
     a full-row tile."""
-    rows = RECURRENCE_TILE_BYTES // (triton.next_power_of_2(K) * 4)
-    return max(1, min(triton.next_power_of_2(V), rows)), 1
+    rows = RECURRENCE_TILE_BYTES // (next_power_of_2(K) * 4)
+    return max(1, min(next_power_of_2(V), rows)), 1
 
 
 # Ring mode runs the chunk form above this many (request, value head, step) triples and the
@@ -200,14 +200,14 @@ def _launch_recurrence(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scrat
     ring_k, ring_v, ring_g, ring_beta = rings if rings is not None else (None,) * 4
     block_v, num_warps = recurrence_tile(V, K)
     _mtp_verify(
-        (triton.cdiv(V, block_v), HV, N),
+        (cdiv(V, block_v), HV, N),
         (q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, raw_out,
          *(t if t is not None else dummy for t in (snapshots, ring_k, ring_v, ring_g, ring_beta)),
          errors.counters(q.device),
          state.stride(0), *_strides(snapshots, (0, 1)), *_strides(ring_k, (0,)), *_strides(ring_v, (0,)),
          *_strides(ring_g, (0,)), *_strides(ring_beta, (0,)), ring_k.shape[2] if ring_k is not None else 0,
          *bounds, float(scale), float(lower_bound) if lower_bound is not None else 0.0),
-        dict(T=T, H=H, HV=HV, K=K, V=V, BLOCK_K=triton.next_power_of_2(K), BLOCK_V=block_v,
+        dict(T=T, H=H, HV=HV, K=K, V=V, BLOCK_K=next_power_of_2(K), BLOCK_V=block_v,
              SNAPSHOT=snapshots is not None and rings is None, RING=rings is not None,
              SAFE_GATE=lower_bound is not None, WAIT_FOR_TOKENS=conv and pdl, LAUNCH_DEPENDENTS=norm and pdl,
              CHECK_ROWS=bounds[1] >= 0, ERR_INDEX=errors.INDEX["mtp_verify"]),

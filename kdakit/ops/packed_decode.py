@@ -14,7 +14,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .. import contracts, errors, reference
 from ..backends import forced_backend, register, select
-from .launch import CachedKernel
+from .launch import CachedKernel, cdiv, next_power_of_2
 from .triton_math import count_bad_row, delta_rule_update, kda_log_decay, l2_normalize, mask_if
 
 
@@ -98,7 +98,7 @@ def _launch_config(batch: int, HV: int, V: int, K: int, state_itemsize: int) -> 
     program sharing the q/k/gate prologue, half tiles at a tiny batch. No cache hint:
     evict_first measured 1-2% slower.
     """
-    rows = max(1, min(triton.next_power_of_2(V), 4096 // (triton.next_power_of_2(K) * state_itemsize)))
+    rows = max(1, min(next_power_of_2(V), 4096 // (next_power_of_2(K) * state_itemsize)))
     if state_itemsize >= 4:
         return rows, 1, 1, 1, ""
     if batch * HV <= 32:
@@ -121,14 +121,14 @@ def packed_decode_triton(mixed_qkv, a, b, A_log, dt_bias, state, slot_indices, o
     if B == 0:
         return out
     block_v, v_tiles, num_warps, num_stages, evict = config or _launch_config(B, HV, V, K, state.element_size())
-    grid = (triton.cdiv(V, block_v * v_tiles), HV, B)
+    grid = (cdiv(V, block_v * v_tiles), HV, B)
     _packed_decode(
         grid,
         (mixed_qkv, a, b, A_log, dt_bias, state, slot_indices, out, errors.counters(mixed_qkv.device),
          mixed_qkv.stride(0), a.stride(0), b.stride(0), state.stride(0),
          state.shape[0] if num_slots is None else num_slots,
          float(scale), float(lower_bound) if lower_bound is not None else 0.0),
-        dict(H=H, HV=HV, K=K, V=V, BLOCK_K=triton.next_power_of_2(K), BLOCK_V=block_v, V_TILES=v_tiles,
+        dict(H=H, HV=HV, K=K, V=V, BLOCK_K=next_power_of_2(K), BLOCK_V=block_v, V_TILES=v_tiles,
              EVICT=evict, USE_QK_L2NORM=bool(use_qk_l2norm), SAFE_GATE=lower_bound is not None,
              WAIT_FOR_QKV=bool(wait_for_qkv), LAUNCH_DEPENDENTS=bool(launch_dependents), ERR_INDEX=err_index),
         num_warps=num_warps, num_stages=num_stages, launch_pdl=bool(wait_for_qkv))

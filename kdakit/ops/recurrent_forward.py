@@ -27,7 +27,7 @@ import triton.language as tl
 
 from .. import contracts, errors, reference
 from ..backends import register, select
-from .launch import CachedKernel
+from .launch import CachedKernel, cdiv, next_power_of_2
 from .triton_math import count_bad_row, delta_rule_update, kda_log_decay, l2_normalize, mask_if
 
 # How beta becomes β: as given, sigmoid of a logit, or 2·sigmoid (fla's allow_neg_eigval).
@@ -208,11 +208,11 @@ def _launch_config(N: int, HV: int, V: int, K: int, tokens: int, k_major: bool =
     fla's fused_recurrent_kda through kdakit.compat.fla: T = 1, N = 64 80.2 us against 91.1 on
     4 warps in (sequence, head, tile) order; T = 16, N = 256 1188 against 1985; 8- and 16-row
     tiles, 2 tiles a program, 2-8 warps all slower)."""
-    rows = max(1, min(triton.next_power_of_2(V), 4096 // (triton.next_power_of_2(K) * 4)))
+    rows = max(1, min(next_power_of_2(V), 4096 // (next_power_of_2(K) * 4)))
     if k_major:
-        return min(triton.next_power_of_2(V), 32), 1, 1, True, True
+        return min(next_power_of_2(V), 32), 1, 1, True, True
     if tokens >= 2 * max(N, 1):
-        return min(triton.next_power_of_2(V), 2 * rows), 1, 1, True, N * HV > 256
+        return min(next_power_of_2(V), 2 * rows), 1, 1, True, N * HV > 256
     if N * HV <= 256:
         return max(1, rows // 2), 1, 2, False, True
     return rows, 1, 1, True, True
@@ -242,7 +242,7 @@ def recurrent_forward_triton(q, k, v, g, beta, state, slot_indices, out, *, cu_s
     tiles_first = bool(tiles[2]) if len(tiles) > 2 else False
     per_token = slot_indices.dim() == 2
     dummy = slot_indices  # never read: its constexpr flag is off
-    v_programs = triton.cdiv(V, block_v * v_tiles)
+    v_programs = cdiv(V, block_v * v_tiles)
     grid = (N * HV * v_programs,) if tiles_first else (N, HV, v_programs)
     _recurrent_forward(
         grid,
@@ -256,7 +256,7 @@ def recurrent_forward_triton(q, k, v, g, beta, state, slot_indices, out, *, cu_s
          *state.stride(), *_strides4(token_states), *_strides4(final_states),
          slot_indices.stride(0), slot_indices.stride(1) if per_token else 0,
          float(scale), float(lower_bound) if lower_bound is not None else 0.0),
-        dict(H=H, HV=HV, K=K, V=V, BLOCK_K=triton.next_power_of_2(K), BLOCK_V=block_v, V_TILES=v_tiles, PREFETCH_TILE=prefetch_tile,
+        dict(H=H, HV=HV, K=K, V=V, BLOCK_K=next_power_of_2(K), BLOCK_V=block_v, V_TILES=v_tiles, PREFETCH_TILE=prefetch_tile,
              IS_VARLEN=cu_seqlens is not None, PER_TOKEN_SLOTS=per_token,
              HAS_NUM_ACCEPTED=num_accepted_tokens is not None, WRITE_STATE=bool(write_final_state),
              HAS_TOKEN_STATES=token_states is not None, HAS_FINAL_STATES=final_states is not None,

@@ -26,7 +26,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .. import errors
-from .launch import CachedKernel
+from .launch import CachedKernel, cdiv, next_power_of_2
 from .triton_math import count_bad_row, kda_log_decay, mask_if, verify_request
 
 
@@ -220,19 +220,19 @@ def ring_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indi
         (q, k, a, b, A_log, dt_bias, slot_indices, scratch_indices, x_rows, m_rows, ring_k, ring_g, ring_beta,
          errors.counters(q.device), ring_k.stride(0), ring_g.stride(0), ring_beta.stride(0), ring_k.shape[2],
          *bounds, float(scale), float(lower_bound) if lower_bound is not None else 0.0),
-        dict(T=T, H=H, HV=HV, K=K, BLOCK_T=triton.next_power_of_2(T), BLOCK_K=triton.next_power_of_2(K),
+        dict(T=T, H=H, HV=HV, K=K, BLOCK_T=next_power_of_2(T), BLOCK_K=next_power_of_2(K),
              SAFE_GATE=lower_bound is not None, FACTORED=factored_pair_sums(T, lower_bound),
              WAIT_FOR_TOKENS=wait_for_tokens and pdl, LAUNCH_DEPENDENTS=pdl, CHECK_ROWS=bounds[1] >= 0,
              ERR_INDEX=errors.INDEX["mtp_verify"]),
         num_warps=steps_warps(T), num_stages=1, launch_pdl=wait_for_tokens and pdl)
     block_v, num_warps = STATE_TILE
-    block_v = max(16, min(block_v, triton.next_power_of_2(V)))
+    block_v = max(16, min(block_v, next_power_of_2(V)))
     _ring_verify_state(
-        (triton.cdiv(V, block_v), HV, N),
+        (cdiv(V, block_v), HV, N),
         (state, v, slot_indices, scratch_indices, x_rows, m_rows, out, ring_v, state.stride(0), ring_v.stride(0),
          ring_v.shape[2], *bounds),
-        dict(T=T, HV=HV, K=K, V=V, DOT_T=max(16, triton.next_power_of_2(T)), BLOCK_V=block_v,
-             K_CHUNK=max(16, min(K_CHUNK, triton.next_power_of_2(K))), NUM_STAGES=NUM_STAGES,
+        dict(T=T, HV=HV, K=K, V=V, DOT_T=max(16, next_power_of_2(T)), BLOCK_V=block_v,
+             K_CHUNK=max(16, min(K_CHUNK, next_power_of_2(K))), NUM_STAGES=NUM_STAGES,
              DOT_PRECISION=DOT_PRECISION, WAIT_FOR_STEPS=pdl, LAUNCH_DEPENDENTS=launch_dependents and pdl,
              CHECK_ROWS=bounds[1] >= 0),
         num_warps=num_warps if block_v >= 64 else 4, num_stages=1, launch_pdl=pdl)

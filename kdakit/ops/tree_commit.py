@@ -17,7 +17,7 @@ import triton.language as tl
 from .. import contracts, reference
 from ..backends import register, select
 from .commit import _load_ring_step, check_commit_ring
-from .launch import CachedKernel
+from .launch import CachedKernel, cdiv, next_power_of_2
 from .mtp_verify import recurrence_tile
 from .triton_math import delta_rule_update, l2_normalize
 
@@ -82,11 +82,11 @@ def commit_tree_ring_triton(state, ring_k, ring_v, ring_g, ring_beta, slot_indic
     H, ring_len = ring_k.shape[1], ring_k.shape[2]
     block_v, num_warps = recurrence_tile(V, K)
     _commit_tree_ring(
-        (triton.cdiv(V, block_v), HV, N),
+        (cdiv(V, block_v), HV, N),
         (state, ring_k, ring_v, ring_g, ring_beta, slot_indices, paths, accept_lens, state.stride(0),
          ring_k.stride(0), ring_v.stride(0), ring_g.stride(0), ring_beta.stride(0), paths.stride(0), ring_len,
          paths.shape[1], state.shape[0], int(null_block_id)),
-        dict(H=H, HV=HV, K=K, V=V, BLOCK_K=triton.next_power_of_2(K), BLOCK_V=block_v,
+        dict(H=H, HV=HV, K=K, V=V, BLOCK_K=next_power_of_2(K), BLOCK_V=block_v,
              USE_QK_L2NORM=bool(use_qk_l2norm)), num_warps=num_warps, num_stages=1)
 
 

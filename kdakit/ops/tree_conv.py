@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
-from .launch import CachedKernel
+from .launch import CachedKernel, cdiv, next_power_of_2
 from .triton_math import conv_apply, shift_window
 
 
@@ -128,12 +128,12 @@ def tree_conv(q, k, v, conv_weights, conv_bias, conv_states, intermediate_conv, 
     bias = conv_bias if conv_bias is not None else conv_weights
     W = conv_weights[0].shape[1]
     _tree_conv(
-        (triton.cdiv(max(H * K, HV * V), BLOCK_C), N, 3),
+        (cdiv(max(H * K, HV * V), BLOCK_C), N, 3),
         (q, k, v, *conv_weights, *bias, *conv_states, *intermediate_conv, *post, slot_indices, scratch_indices,
          parents, *(cs.stride(d) for cs in conv_states for d in (0, 1, 2)),
          *(ic.stride(d) for ic in intermediate_conv for d in (0, 1)), conv_states[0].shape[0], int(num_rows)),
-        dict(C_QK=H * K, C_V=HV * V, T=T, W=W, BLOCK_C=BLOCK_C, BLOCK_TAPS=triton.next_power_of_2(W - 1),
-             BLOCK_T=triton.next_power_of_2(T), HAS_BIAS=conv_bias is not None, LAUNCH_DEPENDENTS=bool(launch_dependents)),
+        dict(C_QK=H * K, C_V=HV * V, T=T, W=W, BLOCK_C=BLOCK_C, BLOCK_TAPS=next_power_of_2(W - 1),
+             BLOCK_T=next_power_of_2(T), HAS_BIAS=conv_bias is not None, LAUNCH_DEPENDENTS=bool(launch_dependents)),
         num_warps=NUM_WARPS, num_stages=1)
     return post
 
@@ -149,12 +149,12 @@ def tree_conv_channels(x, conv_state, weight, bias, intermediate, slot_indices, 
     W = weight.shape[1]
     strides = (conv_state.stride(0), conv_state.stride(1), conv_state.stride(2))
     _tree_conv(
-        (triton.cdiv(C, BLOCK_C), N, 1),  # part 0 only: the q slot of the kernel carries the group
+        (cdiv(C, BLOCK_C), N, 1),  # part 0 only: the q slot of the kernel carries the group
         (x, x, x, weight, weight, weight, *((bias,) * 3 if bias is not None else (weight,) * 3),
          conv_state, conv_state, conv_state, intermediate, intermediate, intermediate, post, post, post,
          slot_indices, scratch_indices, parents, *strides * 3,
          *((intermediate.stride(0), intermediate.stride(1)) * 3), conv_state.shape[0], int(num_rows)),
-        dict(C_QK=C, C_V=C, T=T, W=W, BLOCK_C=BLOCK_C, BLOCK_TAPS=triton.next_power_of_2(W - 1),
-             BLOCK_T=triton.next_power_of_2(T), HAS_BIAS=bias is not None, LAUNCH_DEPENDENTS=False),
+        dict(C_QK=C, C_V=C, T=T, W=W, BLOCK_C=BLOCK_C, BLOCK_TAPS=next_power_of_2(W - 1),
+             BLOCK_T=next_power_of_2(T), HAS_BIAS=bias is not None, LAUNCH_DEPENDENTS=False),
         num_warps=NUM_WARPS, num_stages=1)
     return post

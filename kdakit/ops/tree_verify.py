@@ -32,7 +32,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from .. import contracts, reference
 from ..backends import register, select
 from .gated_rmsnorm import gated_rmsnorm_after
-from .launch import CachedKernel, pdl_available
+from .launch import CachedKernel, cdiv, next_power_of_2, pdl_available
 from .mtp_verify import _load_step, check_mtp_verify, recurrence_tile
 from .tree_conv import load_tree_parents, tree_conv, tree_parent
 from .triton_math import delta_rule_update, l2_normalize
@@ -190,15 +190,15 @@ def tree_verify_triton(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scrat
     raw_out = torch.empty(out.shape, dtype=torch.float32, device=out.device) if norm else out
     block_v, num_warps = recurrence_tile(V, K)
     _tree_verify(
-        (triton.cdiv(V, block_v), HV, N),
+        (cdiv(V, block_v), HV, N),
         (q, k, v, a, b, A_log, dt_bias, state, slot_indices, rows_in, parents, raw_out,
          snapshots if not ring else dummy, ring_k, ring_v, ring_g, ring_beta,
          state.stride(0), *((0, 0) if ring else (snapshots.stride(0), snapshots.stride(1))),
          *((ring_k.stride(0), ring_v.stride(0), ring_g.stride(0), ring_beta.stride(0), ring_k.shape[2]) if ring
            else (0,) * 5), state.shape[0], num_rows, float(scale),
          float(lower_bound) if lower_bound is not None else 0.0),
-        dict(T=T, H=H, HV=HV, K=K, V=V, BLOCK_K=triton.next_power_of_2(K), BLOCK_V=block_v,
-             BLOCK_T=triton.next_power_of_2(T), SAFE_GATE=lower_bound is not None, RING=ring, WAIT_FOR_TOKENS=conv and pdl,
+        dict(T=T, H=H, HV=HV, K=K, V=V, BLOCK_K=next_power_of_2(K), BLOCK_V=block_v,
+             BLOCK_T=next_power_of_2(T), SAFE_GATE=lower_bound is not None, RING=ring, WAIT_FOR_TOKENS=conv and pdl,
              LAUNCH_DEPENDENTS=norm and pdl),
         num_warps=num_warps, num_stages=1, launch_pdl=conv and pdl)
     if norm:  # padding rows stay zero: their raw output is zero, and so is its norm

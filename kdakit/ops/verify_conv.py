@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
-from .launch import CachedKernel
+from .launch import CachedKernel, cdiv, next_power_of_2
 from .triton_math import mask_if, verify_request
 
 
@@ -150,12 +150,12 @@ def verify_conv(q, k, v, conv_weights, conv_bias, conv_states, intermediate_conv
     bias = conv_bias if conv_bias is not None else conv_weights
     W = conv_weights[0].shape[1]
     _verify_conv(
-        (triton.cdiv(max(H * K, HV * V), BLOCK_C), N, 3),
+        (cdiv(max(H * K, HV * V), BLOCK_C), N, 3),
         (q, k, v, *conv_weights, *bias, *conv_states, *intermediate_conv, *post, slot_indices, scratch_indices,
          *(cs.stride(d) for cs in conv_states for d in (0, 1, 2)),
          *(ic.stride(d) for ic in intermediate_conv for d in (0, 1)), *bounds),
-        dict(C_QK=H * K, C_V=HV * V, T=T, W=W, BLOCK_T=triton.next_power_of_2(T), BLOCK_C=BLOCK_C,
-             BLOCK_F=triton.next_power_of_2(BLOCK_C * (W - 1)), HAS_BIAS=conv_bias is not None,
+        dict(C_QK=H * K, C_V=HV * V, T=T, W=W, BLOCK_T=next_power_of_2(T), BLOCK_C=BLOCK_C,
+             BLOCK_F=next_power_of_2(BLOCK_C * (W - 1)), HAS_BIAS=conv_bias is not None,
              WINDOW_RUNS=window_runs(T),
              LAUNCH_DEPENDENTS=bool(launch_dependents)),
         num_warps=NUM_WARPS, num_stages=1)
