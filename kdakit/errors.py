@@ -4,8 +4,11 @@ A slot, scratch row or track slot outside its buffer is treated by every op as a
 row (nothing of that buffer read or written, zero output); the kernels find it with one
 scalar compare per program and add one to the op's int32 counter here, with an atomic
 only for such a row. Nothing syncs on the hot path: ``take_errors()`` reads the counters
-when the caller asks. The counters are a ``launch.kept_buffer`` per (device, stream),
-never freed, so a CUDA graph keeps counting into the buffer it captured.
+when the caller asks. The counters are a ``launch.kept_buffer`` per device, shared by its
+streams (the kernels only add to them, atomically), never freed, so a CUDA graph keeps
+counting into the buffer it captured. They are made on the first call on a device; made
+during a graph capture they would belong to that graph alone, so run each op once eagerly
+before capturing it (engines warm up so anyway), or call ``counters(device)`` once.
 """
 from __future__ import annotations
 
@@ -21,8 +24,9 @@ _KIND = "index error counters"
 
 
 def counters(device: torch.device) -> torch.Tensor:
-    """The int32 counters of the current stream of ``device`` (one per op, in ``OPS`` order)."""
-    return kept_buffer(_KIND, device, len(OPS), lambda size: torch.zeros(size, dtype=torch.int32, device=device))
+    """The int32 counters of ``device`` (one per op, in ``OPS`` order)."""
+    return kept_buffer(_KIND, device, len(OPS), lambda size: torch.zeros(size, dtype=torch.int32, device=device),
+                       per_stream=False)
 
 
 def count(op: str, bad: torch.Tensor) -> None:

@@ -203,13 +203,14 @@ _CAPABILITY_MAJOR: dict = {}  # CUDA device index -> compute capability major (h
 _KEPT: dict = {}  # (kind, device, stream) -> buffers of that kind, the largest last; never freed
 
 
-def kept_buffer(kind: str, device: torch.device, count: int, make) -> torch.Tensor:
+def kept_buffer(kind: str, device: torch.device, count: int, make, *, per_stream: bool = True) -> torch.Tensor:
     """A device buffer of at least ``count`` elements, built by ``make(size)`` once and kept
-    per (kind, device, stream), so a call launches no kernel to build it again. It grows by
-    doubling; a smaller one is never freed (a CUDA graph captured with it keeps reading its
-    address). One first needed while a graph is being captured belongs to that graph alone
-    (what ``make`` writes is only a node of the graph, not run at capture): not kept."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    per (kind, device, stream), or per (kind, device) when not ``per_stream``, so a call
+    launches no kernel to build it again. It grows by doubling; a smaller one is never freed
+    (a CUDA graph captured with it keeps reading its address). One first needed while a graph
+    is being captured belongs to that graph alone (what ``make`` writes is only a node of the
+    graph, not run at capture): not kept."""
+    stream = torch.cuda.current_stream(device).cuda_stream if per_stream and device.type == "cuda" else 0
     kept = _KEPT.setdefault((kind, device, stream), [])
     if not kept or kept[-1].numel() < count:
         fresh = make(max(count, 2 * kept[-1].numel() if kept else 1024))
