@@ -230,6 +230,16 @@ def fused_decode(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, state, slot
     return out
 
 
+def _clamped_offsets(bounds, T):
+    """Each sequence's (start, end) as the kernels read offsets, which are data checked only in
+    full-check mode: clamped into [0, T], the end at least the start."""
+    spans = []
+    for n in range(len(bounds) - 1):
+        start = min(max(int(bounds[n]), 0), T)
+        spans.append((start, min(max(int(bounds[n + 1]), start), T)))
+    return spans
+
+
 def recurrent_forward(q, k, v, g, beta, state, slot_indices, out, *, cu_seqlens=None, scale=None,
                       use_qk_l2norm=True, A_log=None, dt_bias=None, lower_bound=None, beta_is_logit=False,
                       num_accepted_tokens=None, token_states=None, write_final_state=True, final_states=None,
@@ -258,11 +268,11 @@ def recurrent_forward(q, k, v, g, beta, state, slot_indices, out, *, cu_seqlens=
     if cu_seqlens is None:
         cu_seqlens = torch.tensor([0, T])
     scale = _default_scale(scale, K)
-    bounds = cu_seqlens.tolist()
+    spans = _clamped_offsets(cu_seqlens.tolist(), T)
     per_token_slots = slot_indices.dim() == 2
     num_slots = state.shape[0]
     bad = 0
-    for n in range(len(bounds) - 1):
+    for n, (bos, eos) in enumerate(spans):
         if per_token_slots:
             cols = slot_indices.shape[1]
             start = 0 if num_accepted_tokens is None else int(num_accepted_tokens[n]) - 1
@@ -272,19 +282,19 @@ def recurrent_forward(q, k, v, g, beta, state, slot_indices, out, *, cu_seqlens=
         # Slots past the pool (the start, or any slot the sequence writes): a padding row, counted.
         in_pool = slot < num_slots
         if per_token_slots and write_final_state:
-            length = bounds[n + 1] - bounds[n]
+            length = eos - bos
             in_pool = in_pool and length <= cols and all(int(s) < num_slots for s in slot_indices[n, :length])
         used = slot >= 0 or not padding_rows
         bad += used and not in_pool
         if not (used and in_pool):
-            out[0, bounds[n]:bounds[n + 1]] = 0
+            out[0, bos:eos] = 0
             if token_states is not None:
-                token_states[bounds[n]:bounds[n + 1]] = 0
+                token_states[bos:eos] = 0
             if final_states is not None:
                 final_states[n] = 0
             continue
         S = state[slot].to(cd) if slot >= 0 else torch.zeros(HV, V, K, dtype=cd, device=q.device)
-        for i, t in enumerate(range(bounds[n], bounds[n + 1])):
+        for i, t in enumerate(range(bos, eos)):
             qt, kt = prepare_qk(q[0, t].to(cd), k[0, t].to(cd), HV, scale, use_qk_l2norm)
             gt = g[0, t].to(cd)
             if A_log is not None:

@@ -373,3 +373,50 @@ def test_clear_errors_leave_buffers_untouched(backend, case):
         call(x2, state2, idx2, out=out, backend=backend, **kw)
     assert text in str(e.value), str(e.value)
     assert torch.equal(state2, before) and (out == POISON).all()
+
+
+@pytest.mark.parametrize("bad_offsets", [[0, 3, 13], [0, 9, 4], [-4, 3, 8]], ids=["past-T", "decreasing", "negative"])
+def test_offsets_outside_the_tokens_touch_nothing_outside(bad_offsets):
+    """cu_seqlens are data (checked only with full checks): the kernel clamps them into
+    [0, T], so offsets past T, decreasing or negative never reach a row outside the token
+    buffers, which here are views into larger poisoned ones."""
+    T, H, HV, K, V, slots = 8, 1, 2, 16, 32, 4
+    gen = torch.Generator().manual_seed(3)
+
+    def view(*inner):  # rows [4, 4 + T) of a poisoned [1, T + 8, ...] buffer
+        flat = torch.full((1, T + 8, *inner), POISON)
+        flat[:, 4:4 + T] = torch.randn(1, T, *inner, generator=gen)
+        return flat, flat[:, 4:4 + T]
+    (qb, q), (kb, k), (vb, v) = view(H, K), view(H, K), view(HV, V)
+    (gb, g), (bb, beta) = view(HV, K), view(HV)
+    g.copy_(-torch.rand(1, T, HV, K, generator=gen))
+    outb, out = view(HV, V)
+    before = [x.clone() for x in (qb, kb, vb, gb, bb, outb)]
+    state = random_pool(slots, HV, V, K, torch.float32, generator=gen)
+    idx = torch.tensor([1, 3], dtype=torch.int32)
+    cu = torch.tensor(bad_offsets, dtype=torch.int32)
+    recurrent_forward_triton(q, k, v, g, beta, state, idx, out, cu_seqlens=cu, scale=K ** -0.5, use_qk_l2norm=True,
+                             A_log=None, dt_bias=None, lower_bound=None, beta_mode=0, num_accepted_tokens=None,
+                             token_states=None, write_final_state=True, final_states=None, padding_rows=True)
+    for buf, old in zip((qb, kb, vb, gb, bb, outb), before):
+        assert torch.equal(buf[:, :4], old[:, :4]) and torch.equal(buf[:, 4 + T:], old[:, 4 + T:])
+    assert torch.isfinite(state).all() and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("bad_offsets", [[0, 3, 13], [0, 9, 4], [-4, 3, 8]], ids=["past-T", "decreasing", "negative"])
+def test_offsets_outside_the_tokens_both_backends_agree(bad_offsets):
+    """The reference reads out-of-range offsets as the kernel does (clamped into [0, T])."""
+    T, H, HV, K, V, slots = 8, 1, 2, 16, 32, 4
+    gen = torch.Generator().manual_seed(4)
+    q, k = torch.randn(1, T, H, K, generator=gen), torch.randn(1, T, H, K, generator=gen)
+    v, beta = torch.randn(1, T, HV, V, generator=gen), torch.rand(1, T, HV, generator=gen)
+    g = -torch.rand(1, T, HV, K, generator=gen)
+    pool = random_pool(slots, HV, V, K, torch.float32, generator=gen)
+    idx, cu = torch.tensor([1, 3], dtype=torch.int32), torch.tensor(bad_offsets, dtype=torch.int32)
+    results = []
+    for backend in ("reference", "triton"):
+        state, out = pool.clone(), torch.zeros(1, T, HV, V)
+        recurrent_forward(q, k, v, g, beta, state, idx, cu_seqlens=cu, out=out, backend=backend)
+        results.append((out, state))
+    assert_close(results[1][0], results[0][0], 1e-5, "out")
+    assert_close(results[1][1], results[0][1], 1e-5, "state")

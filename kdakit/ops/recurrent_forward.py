@@ -80,8 +80,10 @@ def _recurrent_forward_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     mask_k = offs_k < K
     if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+        # Offsets clamped into [0, T] (and eos >= bos): whatever cu_seqlens holds (its values are
+        # checked only in full-check mode), no token row outside q, k, v, g, beta, out is touched.
+        bos = tl.minimum(tl.maximum(tl.load(cu_seqlens + i_n).to(tl.int64), 0), T)
+        eos = tl.minimum(tl.maximum(tl.load(cu_seqlens + i_n + 1).to(tl.int64), bos), T)
     else:
         bos = n64 * 0
         eos = bos + T
@@ -276,8 +278,9 @@ def recurrent_forward_reference(q, k, v, g, beta, state, slot_indices, out, *, c
     if beta_mode == BETA_SIGMOID_X2:
         beta = 2.0 * torch.sigmoid(beta.float())
     if zero_uncovered and cu_seqlens is not None:
-        out[0, :int(cu_seqlens[0])] = 0
-        out[0, int(cu_seqlens[-1]):] = 0
+        T = out.shape[1]  # offsets clamped into [0, T], as the kernel reads them
+        out[0, :min(max(int(cu_seqlens[0]), 0), T)] = 0
+        out[0, min(max(int(cu_seqlens[-1]), 0), T):] = 0
     return reference.recurrent_forward(
         q, k, v, g, beta, state, slot_indices, out, cu_seqlens=cu_seqlens, scale=scale, use_qk_l2norm=use_qk_l2norm,
         A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, beta_is_logit=beta_mode == BETA_SIGMOID,
