@@ -1,7 +1,7 @@
 """Input contracts of every op, in one place.
 
 Each ``check_*`` runs before anything is launched or written and raises
-``ValueError`` with the exact text of SPEC.md (our public contract). Checks that
+``ValueError`` with the exact texts of our public contract. Checks that
 read tensor data (slot range, duplicate live slots, non-finite parameters) cost a
 device sync, so they run only in full-check mode: ``KDAKIT_CHECKS=full`` or
 ``full_checks=True``. Shape-only checks never sync, so CUDA graphs and

@@ -2,7 +2,7 @@
 
 ``KDALayer`` holds the weights; the caches live in a ``StatePool`` (``attach(pool,
 layer_idx)``, or ``cache=pool.layer(i)`` per call). The math of every mode is the one of
-SPEC.md, with the projections of Kimi Linear around it:
+docs/design.md, with the projections of Kimi Linear around it:
 
 - ``q, k, v`` = short conv (SiLU, width W, no bias) of ``q_proj(x)``, ``k_proj(x)``, ``v_proj(x)``;
 - raw gate ``a = f_b_proj(f_a_proj(x))`` ``[HV*K]``, raw beta ``b = b_proj(x)`` ``[HV]``,
@@ -10,7 +10,7 @@ SPEC.md, with the projections of Kimi Linear around it:
 - output ``o_proj(gated_rmsnorm(o, g_b_proj(g_a_proj(x)), o_norm_weight))``.
 
 Modes: ``prefill`` (``causal_conv1d_varlen`` over every prompt, then ``recurrent_forward``), ``decode``
-(``fused_decode``: conv + recurrence + output norm in one kernel), ``verify``
+(``fused_decode``: conv + recurrence + output norm, a chain of dependent launches on Hopper), ``verify``
 (``mtp_verify`` with the conv fused, snapshots or rings, fused output norm) and ``commit``
 (``commit_snapshots``, or ``commit_ring`` plus the conv windows).
 

@@ -1,11 +1,11 @@
-"""The PyTorch reference of every KDA serving op, written as the math of SPEC.md.
+"""The PyTorch reference of every KDA serving op, written as the math of docs/design.md.
 
 Two jobs: it is the CPU backend of the public ops (``compute_dtype=float32``), and
 the oracle every kernel test compares against (``compute_dtype=float64``). Every
 function runs on any device. Pool-level functions update the pools they are
 given in place, exactly where the op documents it, and nothing else.
 
-Layouts (SPEC.md): state ``[slots, HV, V, K]`` V-major; conv window
+Layouts (docs/design.md): state ``[slots, HV, V, K]`` V-major; conv window
 ``[slots, C, W-1]`` oldest first; a slot index ``< 0`` is a padding row. An index
 outside its buffer (a slot past the pool, a scratch row or track slot outside its
 buffer) makes a padding row too, as in the kernels, and is counted on the op's error

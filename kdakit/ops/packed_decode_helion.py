@@ -1,6 +1,6 @@
 """Packed decode as a Helion kernel (the ``helion`` backend of ``kdakit.packed_decode``).
 
-Same math, layouts and contract as ops/packed_decode.py (SPEC.md), plus the
+Same math, layouts and contract as ops/packed_decode.py, plus the
 Helion-only rule that K and V are powers of two. Helion is an optional
 dependency (``pip install kdakit[helion]``): nothing here imports it until a
 Helion kernel is first needed, so ``import kdakit`` works without it.

@@ -7,16 +7,17 @@ of the log-decays, ``q̂, k̂`` normalised, ``S_0`` the slot's state, and
     A[t, s] = Σ_k k̂_t k̂_s e^(G_t - G_s)  (s < t),     B[t, s] = Σ_k q̂_t k̂_s e^(G_t - G_s)  (s <= t),
     M = B (I + diag(β) A)^-1 diag(β),
 
-SPEC.md's steps 4-6, unrolled over the request's tokens, give
+Steps 4-6 of the one-token math (docs/design.md), unrolled over the request's tokens, give
 
     o_t = S_0 x_t + Σ_s M[t, s] v_s,   x_t = q̂_t e^G_t - Σ_s M[t, s] k̂_s e^G_s.
 
 Two kernels: ``_ring_verify_steps`` (one small program per request and value head: the
 pair sums, the triangular solve, ``x``, ``M`` and the k, g, β ring entries), then
 ``_ring_verify_state`` (the state streamed through shared memory into one matrix product
-with ``x``, plus ``v^T M^T``; the v ring entries), a dependent launch of the first. Each
-``e^(G_t - G_s)`` is taken pair by pair (``e^G_t · e^-G_s`` overflows for fast-decaying
-channels).
+with ``x``, plus ``v^T M^T``; the v ring entries), a dependent launch of the first. Under the
+default gate each ``e^(G_t - G_s)`` is taken pair by pair (``e^G_t · e^-G_s`` overflows for
+fast-decaying channels); under the safe gate with ``T |lower_bound| <= 80`` the pair sums factor
+as ``(k̂ e^G)(k̂ e^-G)^T`` (see ``FACTOR_BOUND``).
 """
 from __future__ import annotations
 
