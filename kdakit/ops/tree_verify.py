@@ -5,7 +5,8 @@ from the committed state ``state[slot]`` and conv windows whatever ``parents[n, 
 holds; node ``t > 0`` from the post-state and windows of node ``p`` when ``0 <= p < t``,
 from the committed ones when ``p = -1``. An invalid parent (``p >= t`` or ``p < -1``) is a
 ValueError in full-check mode and is treated as ``p = -1`` otherwise (never an unwritten
-snapshot), and counted (``kdakit.take_errors``, once per such node of a live request). Each node applies its own token with the one-token math; its post-state goes to
+snapshot), and counted (``kdakit.take_errors``, once per such node of a live request). Each
+node applies its own token with the one-token math; its post-state goes to
 ``snapshots[row, t]`` and its windows to ``intermediate_conv[i][row, t]``
 (``row = scratch_indices[n]``). Committing accepted node ``a`` is ``commit_snapshots`` with
 ``a`` as the accepted step.
