@@ -17,7 +17,7 @@ import torch
 from .ops.launch import kept_buffer, kept_buffers
 
 OPS = ("packed_decode", "fused_decode", "causal_conv1d_update", "mtp_verify", "commit_snapshots", "commit_ring",
-       "recurrent_forward")
+       "recurrent_forward", "causal_conv1d_varlen", "chunk_prefill", "tree_verify", "commit_tree_ring")
 INDEX = {name: i for i, name in enumerate(OPS)}
 NO_COUNT = -1  # the ERR_INDEX of a kernel that runs inside an op whose other kernel counts
 _KIND = "index error counters"

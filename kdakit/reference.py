@@ -176,7 +176,8 @@ def causal_conv1d_varlen(x, conv_state, weight, cu_seqlens, slot_indices, out, *
     slots``) and ``has_initial_state[n]`` (all True when not given); from zeros otherwise. Then the
     slot, when in the pool, holds the last ``W-1`` entries of ``[starting window, the sequence's
     inputs]`` (the window shifted by the sequence's length). A slot outside the pool (< 0:
-    padding) is neither read nor written; a sequence of length 0 writes nothing.
+    padding) is neither read nor written; a sequence of length 0 writes nothing. A slot past
+    the pool of a sequence with tokens is counted.
     """
     cd = compute_dtype
     C, W = weight.shape
@@ -187,11 +188,13 @@ def causal_conv1d_varlen(x, conv_state, weight, cu_seqlens, slot_indices, out, *
     w = weight.to(cd)
     b = None if bias is None else bias.to(cd)
     T = x.shape[0]
+    bad = 0
     for n, slot in enumerate(slots):
         s, e = max(bounds[n], 0), min(bounds[n + 1], T)  # offsets outside [0, T] (unchecked by default) clip
         if e <= s:
             continue
         in_pool = 0 <= slot < num_slots
+        bad += slot >= num_slots
         if in_pool and starts_from_slot[n]:
             window = conv_state[slot].to(cd)                                  # [C, W-1], oldest first
         else:
@@ -204,6 +207,7 @@ def causal_conv1d_varlen(x, conv_state, weight, cu_seqlens, slot_indices, out, *
             out[t] = y[0].to(out.dtype)
         if in_pool:
             conv_state[slot] = window.to(conv_state.dtype)
+    errors.count("causal_conv1d_varlen", torch.ones(bad, dtype=torch.bool, device=conv_state.device))
     return out
 
 
@@ -483,7 +487,8 @@ def tree_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indi
     With ``rings = (ring_k, ring_v, ring_g, ring_beta)`` (ring mode, no snapshots) node ``t``'s
     post-conv k (before its L2 norm), v, log-decay g and β go to ring position ``t`` of the
     slot instead. A request whose slot or scratch row falls outside its buffer is a padding
-    row: zero output, nothing read or written. The persistent pools are only read.
+    row: zero output, nothing read or written (counted once per request with a slot >= 0); each
+    invalid parent of a live request is counted too. The persistent pools are only read.
     """
     cd = compute_dtype
     N, T, H, K = q.shape
@@ -494,10 +499,13 @@ def tree_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indi
     num_rows = min(rows_in) if rows_in else None
     out.zero_()
     A, dt = A_log.to(cd), dt_bias.to(cd).view(HV, K)
+    bad = 0
     for n in range(N):
         slot, row = int(slot_indices[n]), int(scratch_indices[n])
         if not 0 <= slot < state.shape[0] or (num_rows is not None and not 0 <= row < num_rows):
+            bad += slot >= 0  # a claimed slot with an index outside its buffer: counted
             continue  # a padding row
+        bad += sum(not -1 <= int(parents[n, t]) < t for t in range(1, T))  # invalid parents: counted
         x = [q[n].to(cd).flatten(1), k[n].to(cd).flatten(1), v[n].to(cd).flatten(1)]   # [T, C] each
         if conv_weights is not None:
             for i in range(3):
@@ -524,6 +532,7 @@ def tree_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indi
                 ring_beta[slot, :, t] = kda_beta(b[n, t].to(cd)).to(ring_beta.dtype)
             elif snapshots is not None:
                 snapshots[row, t] = S.to(snapshots.dtype)
+    errors.count("tree_verify", torch.ones(bad, dtype=torch.bool, device=state.device))
     return out
 
 
@@ -532,14 +541,20 @@ def commit_tree_ring(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, pat
     """Fold the accepted path of a ring-mode tree verify into ``state[slot]`` in place: the
     ring entries of nodes ``paths[n, 0 .. accept_lens[n] - 1]`` (node ids, root first), in
     order. Rows with slot ``<= null_block_id`` (or outside the pool), ``accept_lens <= 0``, or
-    a path node outside the rings are skipped."""
+    a path node outside the rings are skipped; a claimed slot past the pool, or an accepted
+    path with a node outside the rings, is counted once per request."""
     cd = compute_dtype
     HV, L = ring_g.shape[1], ring_g.shape[2]
+    bad = 0
     for n in range(slot_indices.shape[0]):
         slot, steps = int(slot_indices[n]), min(int(accept_lens[n]), paths.shape[1])
         nodes = [int(x) for x in paths[n, :max(steps, 0)]]
-        if slot <= null_block_id or not 0 <= slot < state.shape[0] or steps <= 0 or \
-                not all(0 <= x < L for x in nodes):
+        if slot <= null_block_id or slot < 0:
+            continue
+        if slot >= state.shape[0] or (steps > 0 and not all(0 <= x < L for x in nodes)):
+            bad += 1  # counted once per request
+            continue
+        if steps <= 0:
             continue
         S = state[slot].to(cd)
         for t in nodes:
@@ -550,6 +565,7 @@ def commit_tree_ring(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, pat
             _, S = delta_rule_step(S, torch.zeros_like(k_t), k_t, ring_v[slot, :, t].to(cd),
                                    ring_g[slot, :, t].to(cd), ring_beta[slot, :, t].to(cd))
         state[slot] = S.to(state.dtype)
+    errors.count("commit_tree_ring", torch.ones(bad, dtype=torch.bool, device=state.device))
 
 
 def chunk_prefill(q, k, v, g, beta, state, slot_indices, out, *, cu_seqlens=None, scale=None, use_qk_l2norm=True,
@@ -562,6 +578,8 @@ def chunk_prefill(q, k, v, g, beta, state, slot_indices, out, *, cu_seqlens=None
     >= the pool's slot count is a padding row: zero outputs, nothing read or written.
     With ``chunk_states``, the state after the sequence's first ``(j+1) * chunk_size``
     tokens goes to ``chunk_states[chunk_state_indices[n, j]]`` when that row is in range.
+    Counted: each slot past the pool, and each such row past ``chunk_states`` (a row < 0 is
+    "not written", uncounted).
     Rows of ``out`` of tokens outside ``cu_seqlens`` are not written.
     """
     cd = compute_dtype
@@ -572,10 +590,12 @@ def chunk_prefill(q, k, v, g, beta, state, slot_indices, out, *, cu_seqlens=None
     scale = _default_scale(scale, K)
     bounds = cu_seqlens.tolist()
     num_slots = state.shape[0]
+    bad = 0
     for n in range(len(bounds) - 1):
         slot = int(slot_indices[n])
         if not 0 <= slot < num_slots:
             out[0, bounds[n]:bounds[n + 1]] = 0
+            bad += slot >= num_slots
             continue
         fresh = has_initial_state is not None and not bool(has_initial_state[n])
         S = torch.zeros(HV, V, K, dtype=cd, device=q.device) if fresh else state[slot].to(cd)
@@ -592,5 +612,7 @@ def chunk_prefill(q, k, v, g, beta, state, slot_indices, out, *, cu_seqlens=None
                 row = int(chunk_state_indices[n, j - 1])
                 if 0 <= row < chunk_states.shape[0]:
                     chunk_states[row] = S.to(chunk_states.dtype)
+                bad += row >= chunk_states.shape[0]
         state[slot] = S.to(state.dtype)
+    errors.count("chunk_prefill", torch.ones(bad, dtype=torch.bool, device=state.device))
     return out

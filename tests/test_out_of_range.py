@@ -179,6 +179,84 @@ def case_recurrent_forward(b, per_token=False):
     return call, dict(slots=b.idx(2, 0, 4)), ("slots", 0, SLOTS), [state]
 
 
+def case_causal_conv1d_varlen(b):
+    T, C = 6, 136  # two channel blocks: the sequence is counted by one of them
+    x, weight = b.rnd(T, C), b.rnd(C, W)
+    cu = b.idx(0, 2, 3, 6)
+    conv = b.view(SLOTS, C, W - 1)
+
+    def call(ix, backend, full_checks=None):
+        return kdakit.causal_conv1d_varlen(x, conv, weight, cu, ix["slots"], backend=backend, full_checks=full_checks)
+    # a padding sequence's outputs are its conv from a zero window (not zero): no output row check
+    return call, dict(slots=b.idx(4, 1, 2)), ("slots", 1, SLOTS), [conv]
+
+
+def case_chunk_prefill(b, bad):
+    T = 70  # sequence 1 holds 64 tokens: one prefix-cache boundary, its chunk_state_indices[1, 0]
+    cu = b.idx(0, 3, 67, 70)
+    tokens = dict(q=b.rnd(1, T, H, K), k=b.rnd(1, T, H, K), v=b.rnd(1, T, HV, V), g=b.rnd(1, T, HV, K),
+                  beta=b.rnd(1, T, HV))
+    gate = dict(A_log=b.rnd(HV), dt_bias=b.rnd(HV * K))
+    state = b.view(SLOTS, HV, V, K)
+    chunk_states = b.view(SCRATCH, HV, V, K, fill=7.0)
+
+    def call(ix, backend, full_checks=None):
+        return kdakit.chunk_prefill(*tokens.values(), state, ix["slots"], cu_seqlens=cu, beta_is_logit=True,
+                                    chunk_states=chunk_states, chunk_state_indices=ix["rows"], backend=backend,
+                                    full_checks=full_checks, **gate)
+    ix = dict(slots=b.idx(2, 0, 4), rows=b.idx([1], [3], [0]))
+    # a row past chunk_states is compared with the same call with that row -1 (not written)
+    bad_index = {"slot": ("slots", 1, SLOTS), "chunk-state-row": ("rows", (1, 0), SCRATCH, -1)}[bad]
+    return call, ix, bad_index, [state, chunk_states]
+
+
+def _tree_verify_case(b, *, mode, conv, bad):
+    N, T = 3, 3
+    tokens = dict(q=b.rnd(N, T, H, K), k=b.rnd(N, T, H, K), v=b.rnd(N, T, HV, V), a=b.rnd(N, T, HV, K),
+                  b=b.rnd(N, T, HV), A_log=b.rnd(HV), dt_bias=b.rnd(HV * K))
+    state = b.view(SLOTS, HV, V, K)
+    kw, updated = {}, []
+    if conv:
+        channels = (H * K, H * K, HV * V)
+        kw["conv_weights"] = tuple(b.rnd(c, W) for c in channels)
+        kw["conv_states"] = tuple(b.view(SLOTS, c, W - 1) for c in channels)
+        kw["intermediate_conv"] = tuple(b.view(SCRATCH, T, c, W - 1, fill=7.0) for c in channels)
+        updated += list(kw["intermediate_conv"])
+    if mode == "snapshot":
+        kw["snapshots"] = b.view(SCRATCH, T, HV, V, K, fill=7.0)
+        updated.append(kw["snapshots"])
+    else:
+        kw["rings"] = (b.view(SLOTS, H, T, K, fill=7.0), b.view(SLOTS, HV, T, V, fill=7.0),
+                       b.view(SLOTS, HV, T, K, fill=7.0), b.view(SLOTS, HV, T, fill=7.0))
+        updated += list(kw["rings"])
+
+    def call(ix, backend, full_checks=None):
+        return kdakit.tree_verify(*tokens.values(), state, ix["slots"], ix["rows"], ix["parents"], lower_bound=-2.0,
+                                  backend=backend, full_checks=full_checks, **kw)
+    ix = dict(slots=b.idx(3, 0, 1), rows=b.idx(2, 0, 3), parents=b.idx([-1, 0, 0], [-1, 0, 0], [-1, -1, 1]))
+    # an invalid parent is compared with the same call with that parent -1 (how it is treated)
+    bad_index = {"slot": ("slots", 1, SLOTS), "row": ("rows", 1, SCRATCH), "negative-row": ("rows", 2, -1),
+                 "parent": ("parents", (1, 2), 2, -1), "negative-parent": ("parents", (0, 1), -3, -1)}[bad]
+    return call, ix, bad_index, [state] + updated
+
+
+def case_commit_tree_ring(b, bad):
+    L = 3
+    state = b.view(SLOTS, HV, V, K)
+    rings = tuple(b.view(SLOTS, *shape) for shape in ((H, L, K), (HV, L, V), (HV, L, K), (HV, L)))
+    rings[2].copy_(-rings[2].abs())  # log-decays
+    rings[3].copy_(torch.sigmoid(rings[3]))  # betas
+
+    def call(ix, backend, full_checks=None):
+        kdakit.commit_tree_ring(state, *rings, ix["slots"], ix["paths"], ix["accept"], backend=backend,
+                                full_checks=full_checks)
+    ix = dict(slots=b.idx(1, 3, 0), paths=b.idx([0, 1, 2], [0, 2, -1], [0, 1, -1]), accept=b.idx(3, 2, 1))
+    # a path node outside the rings: the request is skipped, as a padding row (slot -1) is
+    bad_index = {"slot": ("slots", 1, SLOTS), "node": ("paths", (1, 1), L),
+                 "negative-node": ("paths", (0, 2), -2)}[bad]
+    return call, ix, bad_index, [state]
+
+
 CASES = [  # (op counted, case builder, the index of the bad row's outputs, or None: no output)
     pytest.param("packed_decode", case_packed_decode, 1, id="packed_decode-slot"),
     pytest.param("packed_decode", case_packed_decode_sglang, 0, id="sglang-packed-decode-slot"),
@@ -200,19 +278,35 @@ CASES = [  # (op counted, case builder, the index of the bad row's outputs, or N
     pytest.param("recurrent_forward", case_recurrent_forward, (0, slice(0, 2)), id="recurrent_forward-slot"),
     pytest.param("recurrent_forward", lambda b: case_recurrent_forward(b, per_token=True), (0, slice(3, 5)),
                  id="recurrent_forward-per-token-slot"),
+    pytest.param("causal_conv1d_varlen", case_causal_conv1d_varlen, None, id="causal_conv1d_varlen-slot"),
+    pytest.param("chunk_prefill", lambda b: case_chunk_prefill(b, "slot"), (0, slice(3, 67)), id="chunk_prefill-slot"),
+    pytest.param("chunk_prefill", lambda b: case_chunk_prefill(b, "chunk-state-row"), None,
+                 id="chunk_prefill-chunk-state-row"),
+    *[pytest.param("tree_verify", lambda b, m=mode, c=conv, x=bad: _tree_verify_case(b, mode=m, conv=c, bad=x),
+                   {"negative-row": 2, "parent": None, "negative-parent": None}.get(bad, 1),
+                   id=f"tree_verify-{mode}{'-conv' if conv else ''}-{bad}")
+      for mode, conv, bad in (("snapshot", False, "slot"), ("snapshot", True, "row"),
+                              ("snapshot", True, "negative-row"), ("snapshot", False, "parent"),
+                              ("ring", False, "slot"), ("ring", True, "row"), ("ring", False, "negative-parent"))],
+    *[pytest.param("commit_tree_ring", lambda b, x=bad: case_commit_tree_ring(b, x), None,
+                   id=f"commit_tree_ring-{bad}") for bad in ("slot", "node", "negative-node")],
 ]
 
 
 def _padding_instead(ix, bad):
-    """The same indices with the bad row as a padding row (its slot -1)."""
-    name, row, _ = bad
+    """The same indices with the bad row as a padding row (its slot -1), or, where the case
+    gives a fourth entry, with the bad entry set to it (how the op treats that entry)."""
+    name, row = bad[:2]
     ix = {key: t.clone() for key, t in ix.items()}
+    if len(bad) == 4:
+        ix[name][row] = bad[3]
+        return ix
     ix["slots"][row[0] if isinstance(row, tuple) else row] = -1  # a 2-D row: its start slot too
     return ix
 
 
 def _with_bad(ix, bad):
-    name, row, value = bad
+    name, row, value = bad[:3]
     ix = {key: t.clone() for key, t in ix.items()}
     ix[name][row] = value
     return ix
@@ -268,7 +362,7 @@ def test_full_checks_raise_before_launch(op, build, out_row, configure):
     bufs = Buffers(0)
     call, ix, bad, views = build(bufs)
     before = [v.clone() for v in views]
-    with pytest.raises(ValueError, match="out of range|past the"):
+    with pytest.raises(ValueError, match="out of range|past the|invalid parent|outside the rings"):
         call(_with_bad(ix, bad), "triton", full_checks=True)
     for got, want in zip(views, before):
         assert torch.equal(got, want)

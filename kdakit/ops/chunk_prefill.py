@@ -5,7 +5,11 @@ Inputs are one flattened batch, as for ``recurrent_forward``: ``q, k [1, T, H, K
 log-decay when ``A_log`` is None), ``beta [1, T, HV]`` (β or its logit), split into ``N``
 sequences by ``cu_seqlens``. Sequence ``n`` starts from ``state[slot_indices[n]]`` (zeros
 when ``has_initial_state[n]`` is False) and its final state goes back there; a slot < 0
-or >= the pool's slot count is a padding row (zero outputs, no pool access).
+or >= the pool's slot count is a padding row (zero outputs, no pool access). A slot past
+the pool is counted once per sequence (``kdakit.take_errors``), and so is each
+``chunk_state_indices`` row past ``chunk_states`` that the kernel reaches (a boundary the
+sequence has; a row < 0 means "not written" and is not counted), by the sequence's value
+head 0, V tile 0 program of the state kernel.
 
 The math, per chunk of ``C`` tokens of one sequence and one value head, with ``S0`` the
 V-major state at the chunk start, ``Γ_t`` the chunk-local inclusive cumulative log-decay
@@ -60,10 +64,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import contracts, reference
+from .. import contracts, errors, reference
 from ..backends import register, select
 from .launch import CachedKernel, cdiv, next_power_of_2
-from .triton_math import kda_log_decay
+from .triton_math import count_bad_row, kda_log_decay
 
 CHUNK_SIZE = 64  # tokens per chunk on the GPU (prefix-cache boundaries come every CHUNK_SIZE tokens)
 SUB = 16  # sub-block of a chunk: the tensor-core tile and the unit of exact in-block decays
@@ -322,14 +326,14 @@ def _chunk_factors(ws_q, ws_k, ws_w, ws_u, ws_p, ws_g, c, ok, i_hv, offs_c, offs
 @triton.jit
 def _chunk_state_kernel(
     out, state, slot_indices, has_initial, cu_seqlens, chunk_first,
-    ws_q, ws_k, ws_w, ws_u, ws_p, ws_g, chunk_states, chunk_state_idx,
+    ws_q, ws_k, ws_w, ws_u, ws_p, ws_g, chunk_states, chunk_state_idx, errors,
     num_slots, num_chunk_slots, T, max_chunks,
     stride_o_t, stride_o_h, stride_s_slot, stride_s_h, stride_s_v, stride_s_k,
     stride_cs_slot, stride_cs_h, stride_cs_v, stride_cs_k, stride_ci_n, stride_ci_j, chunk_idx_cols,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_V_WS: tl.constexpr, BLOCK_V: tl.constexpr, C: tl.constexpr,
     HAS_INITIAL_FLAGS: tl.constexpr, HAS_CHUNK_STATES: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PREFETCH: tl.constexpr, INTERVAL: tl.constexpr,
+    PREFETCH: tl.constexpr, INTERVAL: tl.constexpr, ERR_INDEX: tl.constexpr,
 ):
     i_v, i_hv, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n64 = i_n.to(tl.int64)
@@ -342,6 +346,8 @@ def _chunk_state_kernel(
 
     slot = tl.load(slot_indices + n64).to(tl.int64)
     live = (slot >= 0) & (slot < num_slots)  # anything else is a padding row: no pool access
+    counts = (i_v == 0) & (i_hv == 0)  # the one program of the sequence that counts its bad indices
+    count_bad_row(errors, (slot >= num_slots) & counts, ERR_INDEX)
     read = live
     if HAS_INITIAL_FLAGS:
         read = read & (tl.load(has_initial + n64) != 0)
@@ -388,6 +394,7 @@ def _chunk_state_kernel(
             row = tl.load(chunk_state_idx + n64 * stride_ci_n + tl.where(full, j, 0) * stride_ci_j,
                           mask=full, other=-1).to(tl.int64)
             ok = full & (row >= 0) & (row < num_chunk_slots)
+            count_bad_row(errors, full & (row >= num_chunk_slots) & counts, ERR_INDEX)
             p_cs = chunk_states + tl.where(ok, row, 0) * stride_cs_slot + i_hv * stride_cs_h \
                 + offs_v[:, None] * stride_cs_v + offs_k[None, :] * stride_cs_k
             tl.store(p_cs, S.to(chunk_states.dtype.element_ty), mask=mask_s & _bcast(ok, mask_s))
@@ -469,13 +476,14 @@ def chunk_prefill_triton(q, k, v, g, beta, state, slot_indices, out, *, cu_seqle
     _chunk_state(
         (cdiv(V, block_v), HV, N),
         (out, state, slot_indices, has_initial_state if has_initial_state is not None else slot_indices,
-         cu_seqlens, first, ws_q, ws_k, ws_w, ws_u, ws_p, ws_g, cs, ci,
+         cu_seqlens, first, ws_q, ws_k, ws_w, ws_u, ws_p, ws_g, cs, ci, errors.counters(q.device),
          state.shape[0], cs.shape[0], T, max_chunks,
          out.stride(1), out.stride(2), *state.stride(), *cs.stride(),
          ci.stride(0), ci.stride(1) if has_cs else 0, ci_cols),
         dict(H=H, HV=HV, K=K, V=V, BLOCK_K=BK, BLOCK_V_WS=BVW, BLOCK_V=block_v, C=C,
              HAS_INITIAL_FLAGS=has_initial_state is not None, HAS_CHUNK_STATES=has_cs,
-             DOT_PRECISION=cfg.dot_precision, PREFETCH=cfg.prefetch, INTERVAL=chunk_state_interval),
+             DOT_PRECISION=cfg.dot_precision, PREFETCH=cfg.prefetch, INTERVAL=chunk_state_interval,
+             ERR_INDEX=errors.INDEX["chunk_prefill"]),
         num_warps=cfg.state_warps, num_stages=1)
     return out
 

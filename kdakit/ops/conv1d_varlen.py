@@ -9,7 +9,10 @@ Sequence ``n`` starts from ``conv_state[slot_indices[n]]`` when that slot is in 
 ``SiLU(conv)`` goes to ``out`` rounded to x's dtype; afterwards the slot holds the last
 ``W-1`` entries of [starting window, the sequence's inputs] (a sequence shorter than ``W-1``
 keeps the tail of its starting window). A slot < 0 (padding) or >= the pool's slot count
-starts from zeros and is neither read nor written; a sequence of length 0 writes nothing.
+starts from zeros and is neither read nor written; a sequence of length 0 writes nothing. A
+slot >= the pool's slot count of a sequence with tokens is counted once per call
+(``kdakit.take_errors``), by the program whose tile holds the sequence's first token, channel
+block 0.
 
 The kernel needs no host sync (no ``.item()``, no allocation that depends on data): its grid
 is (channel blocks, tiles of ``BLOCK_T`` tokens) from the shapes alone, and each program finds
@@ -22,9 +25,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import contracts, reference
+from .. import contracts, errors, reference
 from ..backends import register, select
 from .launch import CachedKernel, cdiv, next_power_of_2
+from .triton_math import count_bad_row
 
 
 @triton.jit
@@ -92,11 +96,12 @@ def _conv_rows(x, conv_state, weight, bias, slot_indices, has_initial_state, out
 
 @triton.jit
 def _causal_conv1d_varlen_kernel(
-    x, conv_state, weight, bias, cu_seqlens, slot_indices, has_initial_state, out,
+    x, conv_state, weight, bias, cu_seqlens, slot_indices, has_initial_state, out, errors,
     T, C, N, num_slots, step0,
     stride_x_t, stride_x_c, stride_out_t, stride_out_c, stride_conv_slot, stride_conv_chan, stride_conv_tap,
     W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_SPILL: tl.constexpr,
     BLOCK_TAPS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr, SILU: tl.constexpr,
+    ERR_INDEX: tl.constexpr,
 ):
     # One program per (block of channels, tile of BLOCK_T tokens). Tiles ignore sequence
     # boundaries; each token finds its sequence with a binary search over cu_seqlens.
@@ -140,6 +145,8 @@ def _causal_conv1d_varlen_kernel(
         length = tl.load(cu_seqlens + n + 1).to(tl.int64) - seq_start
         slot = tl.load(slot_indices + n).to(tl.int64)
         live = (slot >= 0) & (slot < num_slots) & (length > 0)
+        # a slot past the pool (a sequence with tokens): counted once, by channel block 0
+        count_bad_row(errors, (slot >= num_slots) & (length > 0) & (i_c == 0), ERR_INDEX)
         num_taps = tl.where(live, W - 1, 0)            # folded into the bounds: no block & scalar masks
         old_taps = num_taps
         if HAS_INIT_FLAGS:
@@ -187,13 +194,14 @@ def causal_conv1d_varlen_triton(x, conv_state, weight, cu_seqlens, slot_indices,
     _causal_conv1d_varlen(
         (cdiv(C, block_c), cdiv(T, block_t), 1),
         (x, conv_state, weight, bias if bias is not None else weight, cu_seqlens, slot_indices,
-         has_initial_state if has_initial_state is not None else slot_indices, out,
+         has_initial_state if has_initial_state is not None else slot_indices, out, errors.counters(x.device),
          T, C, N, conv_state.shape[0], 1 << max(N.bit_length() - 1, 0),
          x.stride(0), x.stride(1), out.stride(0), out.stride(1),
          conv_state.stride(0), conv_state.stride(1), conv_state.stride(2)),
         dict(W=W, BLOCK_T=block_t, BLOCK_C=block_c, BLOCK_SPILL=next_power_of_2(max(W - 2, 1)),
              BLOCK_TAPS=next_power_of_2(W - 1), HAS_BIAS=bias is not None,
-             HAS_INIT_FLAGS=has_initial_state is not None, SILU=bool(activation)),
+             HAS_INIT_FLAGS=has_initial_state is not None, SILU=bool(activation),
+             ERR_INDEX=errors.INDEX["causal_conv1d_varlen"]),
         num_warps=num_warps, num_stages=1)
     return out
 

@@ -14,21 +14,21 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import contracts, reference
+from .. import contracts, errors, reference
 from ..backends import register, select
 from .commit import _load_ring_step, check_commit_ring
 from .launch import CachedKernel, cdiv, next_power_of_2
 from .mtp_verify import recurrence_tile
-from .triton_math import delta_rule_update, l2_normalize
+from .triton_math import count_bad_row, delta_rule_update, l2_normalize
 
 
 @triton.jit
 def _commit_tree_ring_kernel(
-    state, ring_k, ring_v, ring_g, ring_beta, slot_indices, paths, accept_lens,
+    state, ring_k, ring_v, ring_g, ring_beta, slot_indices, paths, accept_lens, errors,
     s_state_slot, s_rk_slot, s_rv_slot, s_rg_slot, s_rb_slot, s_path_n, ring_len, path_len, num_slots,
     null_block_id,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, USE_QK_L2NORM: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, USE_QK_L2NORM: tl.constexpr, ERR_INDEX: tl.constexpr,
 ):
     # One program: one recurrence tile (the verify's) of one (request, value head).
     i_v, i_hv, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -39,7 +39,9 @@ def _commit_tree_ring_kernel(
     mask_v = offs_v < V
     slot = tl.load(slot_indices + i_n).to(tl.int64)
     steps = tl.load(accept_lens + i_n).to(tl.int64)
-    active = (slot > null_block_id) & (slot >= 0) & (slot < num_slots) & (steps > 0)
+    claimed = (slot > null_block_id) & (slot >= 0)
+    in_pool = slot < num_slots
+    active = claimed & in_pool & (steps > 0)
     num = tl.where(active, tl.minimum(steps, path_len), 0)
     path = paths + i_n.to(tl.int64) * s_path_n
     j = 0
@@ -47,6 +49,9 @@ def _commit_tree_ring_kernel(
         node = tl.load(path + j).to(tl.int64)
         active = active & (node >= 0) & (node < ring_len)
         j += 1
+    # A claimed slot past the pool, or an accepted path with a node outside the rings: one
+    # count per request, by its value head 0, V tile 0 program.
+    count_bad_row(errors, (claimed & ~in_pool | (num > 0) & ~active) & (i_v == 0) & (i_hv == 0), ERR_INDEX)
     num = tl.where(active, num, 0)
     slot = tl.where(active, slot, 0)
     mask_s = (offs_v < tl.where(active, V, 0))[:, None] & mask_k[None, :]  # the scalar folded into the bound
@@ -83,11 +88,12 @@ def commit_tree_ring_triton(state, ring_k, ring_v, ring_g, ring_beta, slot_indic
     block_v, num_warps = recurrence_tile(V, K)
     _commit_tree_ring(
         (cdiv(V, block_v), HV, N),
-        (state, ring_k, ring_v, ring_g, ring_beta, slot_indices, paths, accept_lens, state.stride(0),
+        (state, ring_k, ring_v, ring_g, ring_beta, slot_indices, paths, accept_lens, errors.counters(state.device),
+         state.stride(0),
          ring_k.stride(0), ring_v.stride(0), ring_g.stride(0), ring_beta.stride(0), paths.stride(0), ring_len,
          paths.shape[1], state.shape[0], int(null_block_id)),
         dict(H=H, HV=HV, K=K, V=V, BLOCK_K=next_power_of_2(K), BLOCK_V=block_v,
-             USE_QK_L2NORM=bool(use_qk_l2norm)), num_warps=num_warps, num_stages=1)
+             USE_QK_L2NORM=bool(use_qk_l2norm), ERR_INDEX=errors.INDEX["commit_tree_ring"]), num_warps=num_warps, num_stages=1)
 
 
 @register("commit_tree_ring", "reference")
@@ -101,7 +107,9 @@ def commit_tree_ring(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, pat
     0 first, each node's parent before it) from the rings of a ring-mode ``tree_verify`` into
     ``state[slot_indices[n]]``. Rings as ``commit_ring`` takes them (one layer). Rows with
     slot ``<= null_block_id`` (or outside the pool), ``accept_lens <= 0`` or a path node
-    outside the rings are skipped (nothing read or written; full-check mode raises)."""
+    outside the rings are skipped (nothing read or written; full-check mode raises). A
+    claimed slot past the pool, or an accepted path with a node outside the rings, is counted
+    once per request (``kdakit.take_errors``)."""
     check_commit_ring(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, accept_lens, None, None,
                       full_checks=False)
     if state.dim() != 4:

@@ -29,6 +29,16 @@ def load_tree_parents(parents_n, T: tl.constexpr, BLOCK_T: tl.constexpr):
 
 
 @triton.jit
+def count_invalid_parents(parents_n, T: tl.constexpr, BLOCK_T: tl.constexpr):
+    """How many nodes ``t`` in ``1 .. T-1`` of a request have an invalid parent (``p >= t`` or
+    ``p < -1``), an int32 scalar (the counting program's side: ``load_tree_parents`` maps them to -1)."""
+    nodes = tl.arange(0, BLOCK_T)
+    p = tl.load(parents_n + nodes, mask=nodes < T, other=-1).to(tl.int64)
+    bad = (nodes > 0) & (nodes < T) & ((p < -1) | (p >= nodes))
+    return tl.sum(bad.to(tl.int32), axis=0)
+
+
+@triton.jit
 def tree_parent(par, node, BLOCK_T: tl.constexpr):
     """The effective parent of ``node`` (-1 for node -1) from ``load_tree_parents``' vector."""
     nodes = tl.arange(0, BLOCK_T)

@@ -5,7 +5,8 @@ from the committed state ``state[slot]`` and conv windows whatever ``parents[n, 
 holds; node ``t > 0`` from the post-state and windows of node ``p`` when ``0 <= p < t``,
 from the committed ones when ``p = -1``. An invalid parent (``p >= t`` or ``p < -1``) is a
 ValueError in full-check mode and is treated as ``p = -1`` otherwise (never an unwritten
-snapshot). Each node applies its own token with the one-token math; its post-state goes to
+snapshot), and counted (``kdakit.take_errors``, once per such node of a live request). Each
+node applies its own token with the one-token math; its post-state goes to
 ``snapshots[row, t]`` and its windows to ``intermediate_conv[i][row, t]``
 (``row = scratch_indices[n]``). Committing accepted node ``a`` is ``commit_snapshots`` with
 ``a`` as the accepted step.
@@ -29,13 +30,13 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from .. import contracts, reference
+from .. import contracts, errors, reference
 from ..backends import register, select
 from .gated_rmsnorm import gated_rmsnorm_after
 from .launch import CachedKernel, cdiv, next_power_of_2, pdl_available
 from .mtp_verify import _load_step, check_mtp_verify, recurrence_tile
-from .tree_conv import load_tree_parents, tree_conv, tree_parent
-from .triton_math import delta_rule_update, l2_normalize
+from .tree_conv import count_invalid_parents, load_tree_parents, tree_conv, tree_parent
+from .triton_math import count_bad_rows, delta_rule_update, l2_normalize
 
 
 @triton.jit
@@ -68,13 +69,13 @@ def _refold_path(S, s_ptrs, mask_s, par, p, x_q, x_k, x_v, a, b, n64, i_hv, ch_q
 @triton.jit
 def _tree_verify_kernel(
     q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, parents, out, snapshots,
-    ring_k, ring_v, ring_g, ring_beta,
+    ring_k, ring_v, ring_g, ring_beta, errors,
     stride_state_slot, s_snap_row, s_snap_t, s_rk_slot, s_rv_slot, s_rg_slot, s_rb_slot, ring_len,
     num_slots, num_rows, scale, lower_bound,
     T: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_T: tl.constexpr, SAFE_GATE: tl.constexpr,
     RING: tl.constexpr,
-    WAIT_FOR_TOKENS: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
+    WAIT_FOR_TOKENS: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr, ERR_INDEX: tl.constexpr,
 ):
     # One program: BLOCK_V state rows of one (request, value head), through the T nodes.
     # RING (no snapshots): a node whose parent is not the previous node starts again from
@@ -94,6 +95,15 @@ def _tree_verify_kernel(
     row = tl.load(scratch_indices + i_n).to(tl.int64)
     # padding rows (a slot or scratch row outside its buffer): zero output, nothing else read or written
     live = (slot >= 0) & (slot < num_slots) & (row >= 0) & (row < num_rows)
+    # Counted by the request's value head 0, V tile 0 program (the conv prologue counts
+    # nothing): a claimed slot (>= 0) whose slot or row is outside its buffer, once; for a
+    # live request, each node whose parent is invalid (treated as p = -1).
+    if ERR_INDEX >= 0:
+        if (i_v == 0) & (i_hv == 0):
+            n_bad = ((slot >= 0) & ~live).to(tl.int32)
+            if live:
+                n_bad = count_invalid_parents(parents + i_n.to(tl.int64) * T, T, BLOCK_T)
+            count_bad_rows(errors, n_bad, ERR_INDEX)
     slot = tl.where(live, slot, 0)
     row = tl.where(live, row, 0)
     # the scalars folded into the bounds (Triton 3.9 rejects block & scalar masks)
@@ -192,14 +202,14 @@ def tree_verify_triton(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scrat
     _tree_verify(
         (cdiv(V, block_v), HV, N),
         (q, k, v, a, b, A_log, dt_bias, state, slot_indices, rows_in, parents, raw_out,
-         snapshots if not ring else dummy, ring_k, ring_v, ring_g, ring_beta,
+         snapshots if not ring else dummy, ring_k, ring_v, ring_g, ring_beta, errors.counters(q.device),
          state.stride(0), *((0, 0) if ring else (snapshots.stride(0), snapshots.stride(1))),
          *((ring_k.stride(0), ring_v.stride(0), ring_g.stride(0), ring_beta.stride(0), ring_k.shape[2]) if ring
            else (0,) * 5), state.shape[0], num_rows, float(scale),
          float(lower_bound) if lower_bound is not None else 0.0),
         dict(T=T, H=H, HV=HV, K=K, V=V, BLOCK_K=next_power_of_2(K), BLOCK_V=block_v,
              BLOCK_T=next_power_of_2(T), SAFE_GATE=lower_bound is not None, RING=ring, WAIT_FOR_TOKENS=conv and pdl,
-             LAUNCH_DEPENDENTS=norm and pdl),
+             LAUNCH_DEPENDENTS=norm and pdl, ERR_INDEX=errors.INDEX["tree_verify"]),
         num_warps=num_warps, num_stages=1, launch_pdl=conv and pdl)
     if norm:  # padding rows stay zero: their raw output is zero, and so is its norm
         gated_rmsnorm_after(raw_out, norm_gate, norm_weight, out, eps=norm_eps, wait_for_x=pdl)
@@ -260,7 +270,8 @@ def tree_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indi
     ``intermediate_conv[i] [scratch, >=T, C_i, W-1]``; ``parents [N, T]`` int32/int64 (node
     0's entry is ignored; -1: the committed state). Node ``t``'s post-state goes to
     ``snapshots[scratch_indices[n], t]``. A slot or scratch row outside its buffer is a
-    padding row (zero output, nothing read or written). Returns ``out [N, T, HV, V]``.
+    padding row (zero output, nothing read or written; counted once per request, and so is
+    each invalid parent of a live request, ``kdakit.take_errors``). Returns ``out [N, T, HV, V]``.
     """
     if out is None and q.dim() == 4 and v.dim() == 4:
         out = torch.empty(v.shape, dtype=q.dtype, device=q.device)

@@ -41,6 +41,15 @@ def count_bad_row(errors, bad, ERR_INDEX: tl.constexpr):
 
 
 @triton.jit
+def count_bad_rows(errors, n, ERR_INDEX: tl.constexpr):
+    """``n`` (a scalar count of bad rows or entries) added to counter ``ERR_INDEX``; the atomic
+    runs only where ``n > 0``. A negative ERR_INDEX counts nothing."""
+    if ERR_INDEX >= 0:
+        if n > 0:
+            tl.atomic_add(errors + ERR_INDEX, n, sem="relaxed")
+
+
+@triton.jit
 def softplus(x):
     # The threshold keeps exp() finite; above it softplus(x) == x in float32.
     return tl.where(x <= 20.0, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))), x)
