@@ -387,3 +387,29 @@ def test_bad_offsets_stay_inside_the_buffers(backend, cu):
     assert torch.equal(bits(big[~inside]), bits(big_before[~inside])), "bytes outside the pool view"
     for s in (1, 2):
         assert torch.equal(bits(t["conv_state"][s]), bits(big_before[1:6, 2:2 + C][s]))
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("offsets", [[0, 5, 4, 9], [0, 3, 20, 9], [-3, 2, 9, 9]], ids=["decreasing", "past-T", "negative"])
+def test_offsets_outside_the_tokens_stay_inside_the_buffers(backend, offsets):
+    """cu_seqlens are data (checked only with full checks): offsets that decrease, pass T or go
+    negative are clamped into [0, T]; x and the windows of slots not in the batch stay bitwise,
+    and every output and window is finite (x and the pool sit inside NaN-poisoned buffers, so a
+    tap read from outside them would show)."""
+    T, C, W, slots = 9, 16, 4, 6
+    gen = torch.Generator().manual_seed(8)
+    x_buf = torch.full((T + 8, C), float("nan"))
+    x_buf[4:4 + T] = torch.randn(T, C, generator=gen)
+    x = x_buf[4:4 + T]
+    weight = torch.randn(C, W, generator=gen) * 0.5
+    pool_buf = torch.full((slots + 2, C, W - 1), float("nan"))
+    pool_buf[1:1 + slots] = torch.randn(slots, C, W - 1, generator=gen)
+    conv = pool_buf[1:1 + slots]
+    before_x, before_pool = x_buf.clone(), pool_buf.clone()
+    idx = torch.tensor([1, -1, 4], dtype=torch.int32)
+    out = torch.zeros(T, C)
+    kdakit.causal_conv1d_varlen(x, conv, weight, torch.tensor(offsets, dtype=torch.int32), idx, out=out,
+                                backend=backend)
+    assert torch.equal(x_buf.nan_to_num(7.0), before_x.nan_to_num(7.0))
+    assert torch.equal(pool_buf[[0, 1, 3, 4, 6, 7]].nan_to_num(7.0), before_pool[[0, 1, 3, 4, 6, 7]].nan_to_num(7.0))
+    assert torch.isfinite(out).all() and torch.isfinite(conv).all()

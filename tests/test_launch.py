@@ -77,11 +77,11 @@ class _Compiled:
         self.function, self.packed_metadata = object(), object()
 
     def launch_metadata(self, grid, stream, *args):
+        if self.refuse:  # as a Triton whose compiled kernels take launch metadata otherwise
+            raise TypeError("launch_metadata() takes other arguments")
         return None
 
     def run(self, gx, gy, gz, stream, function, packed, metadata, enter, exit_, *args):
-        if self.refuse:
-            raise TypeError("launcher takes other arguments")
         self.log.append(("fast", self.device, (gx, gy, gz), stream, len(args)))
 
 
@@ -208,3 +208,20 @@ def test_host_side_integer_helpers_match_triton():
     for a in range(0, 300):
         for b in (1, 2, 3, 7, 16, 64, 100):
             assert launch.cdiv(a, b) == triton.cdiv(a, b), (a, b)
+
+
+def test_error_after_a_fast_launch_is_not_launched_again(fake_gpu, monkeypatch):
+    """An exception from the launcher itself (e.g. an exit hook, after the kernel ran) propagates:
+    an in-place op must never be applied twice."""
+    jit = _Jit(fake_gpu)
+    kernel = launch.CachedKernel(jit)
+    _launch(kernel, 0)
+
+    def run_then_fail(self, *args):
+        self.log.append(("fast",))
+        raise TypeError("a launch hook failed")
+    monkeypatch.setattr(_Compiled, "run", run_then_fail)
+    with pytest.raises(TypeError, match="launch hook"):
+        _launch(kernel, 0)
+    assert [entry[0] for entry in jit.log] == ["public", "fast"]
+    assert launch.fast_path_enabled()

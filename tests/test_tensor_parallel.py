@@ -26,8 +26,8 @@ TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 TP = 2
 TOL = 1e-5
-PG_TIMEOUT_S = 30     # every collective and the rendezvous
-JOIN_TIMEOUT_S = 120  # the whole run of both workers (normally a few seconds)
+PG_TIMEOUT_S = 120    # every collective and the rendezvous
+JOIN_TIMEOUT_S = 240  # the whole run of both workers (normally a few seconds)
 
 
 # ---------------------------------------------------------------------------------- worker

@@ -141,8 +141,10 @@ def _causal_conv1d_varlen_kernel(
     n = _count_below(cu_seqlens, N, t0, step0)
     n_end = _count_below(cu_seqlens, N, t0 + BLOCK_T, step0)
     while n < n_end:
-        seq_start = tl.load(cu_seqlens + n).to(tl.int64)
-        length = tl.load(cu_seqlens + n + 1).to(tl.int64) - seq_start
+        # Offsets clamped into [0, T], the end at least the start: whatever cu_seqlens holds (its
+        # values are checked only with full checks), no tap reaches outside x or the window.
+        seq_start = tl.minimum(tl.maximum(tl.load(cu_seqlens + n).to(tl.int64), 0), T)
+        length = tl.minimum(tl.maximum(tl.load(cu_seqlens + n + 1).to(tl.int64), seq_start), T) - seq_start
         slot = tl.load(slot_indices + n).to(tl.int64)
         live = (slot >= 0) & (slot < num_slots) & (length > 0)
         # a slot past the pool (a sequence with tokens): counted once, by channel block 0

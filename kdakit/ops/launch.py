@@ -169,13 +169,17 @@ class CachedKernel:
         stream = driver.active.get_current_stream(device)
         knobs = triton.knobs.runtime
         grid_x, grid_y, grid_z = (*grid, 1, 1)[:3]
-        try:
-            kernel.run(grid_x, grid_y, grid_z, stream, kernel.function, kernel.packed_metadata,
-                       kernel.launch_metadata(grid, stream, *bound), knobs.launch_enter_hook,
-                       knobs.launch_exit_hook, *bound)
-        except (AttributeError, TypeError) as error:  # refused before launching: the public call is safe
+        try:  # the launcher's pieces; nothing has launched if one of them is not there
+            run, function, packed = kernel.run, kernel.function, kernel.packed_metadata
+            metadata = kernel.launch_metadata(grid, stream, *bound)
+        except (AttributeError, TypeError) as error:
             _fall_back(error)
             self.fn[grid](*args, **constexprs, **options)
+            return
+        # Not inside the try: a launch hook may raise after the kernel ran, and a second launch
+        # of an in-place op would apply it twice.
+        run(grid_x, grid_y, grid_z, stream, function, packed, metadata, knobs.launch_enter_hook,
+            knobs.launch_exit_hook, *bound)
 
 
 def pdl_available(device: torch.device) -> bool:
@@ -210,6 +214,8 @@ def kept_buffer(kind: str, device: torch.device, count: int, make, *, per_stream
     (a CUDA graph captured with it keeps reading its address). One first needed while a graph
     is being captured belongs to that graph alone (what ``make`` writes is only a node of the
     graph, not run at capture): not kept."""
+    if device.type == "cuda" and device.index is None:  # "cuda" and "cuda:0" are one device
+        device = torch.device("cuda", torch.cuda.current_device())
     stream = torch.cuda.current_stream(device).cuda_stream if per_stream and device.type == "cuda" else 0
     kept = _KEPT.setdefault((kind, device, stream), [])
     if not kept or kept[-1].numel() < count:
