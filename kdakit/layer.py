@@ -174,23 +174,7 @@ class KDALayer(nn.Module):
         """``x [N, 1+num_spec, hidden]``: each request's last token and its drafts. Reads the
         slots' states and windows without changing them; writes snapshots (or rings) and the
         windows after every step to scratch row ``scratch_rows[n]``. Returns ``[N, 1+num_spec, hidden]``."""
-        c = self._cache(cache)
-        if c.intermediate_conv is None:
-            raise ValueError("verify needs a pool with speculative buffers (StatePool(spec='snapshot'|'ring')).")
-        N, T, _ = x.shape
-        H, HV, K, V = self.H, self.HV, self.K, self.V
-        slot_t = slots if torch.is_tensor(slots) else self._slots(slots, N)
-        rows_t = scratch_rows if torch.is_tensor(scratch_rows) else self._slots(scratch_rows, N)
-        xf = x.reshape(N * T, -1)
-        a, b, gate = self._gate_inputs(xf)
-        o = mtp_verify(self.q_proj(xf).view(N, T, H, K), self.k_proj(xf).view(N, T, H, K),
-                       self.v_proj(xf).view(N, T, HV, V), a.view(N, T, HV, K), b.view(N, T, HV), self.A_log,
-                       self.dt_bias, c.state, slot_t, rows_t, conv_weights=self.conv_weights_qkv,
-                       conv_states=c.conv_qkv, intermediate_conv=c.intermediate_conv_qkv,
-                       snapshots=c.snapshots if c.rings is None else None, rings=c.rings,
-                       lower_bound=self.lower_bound, norm_gate=gate.view(N, T, HV, V),
-                       norm_weight=self.o_norm_weight, norm_eps=self.norm_eps)
-        return self.o_proj(o.view(N, T, HV * V))
+        return self._verify(x, slots, scratch_rows, None, cache)
 
     def commit(self, slots, scratch_rows, accept_lens, *, cache: LayerCache | None = None) -> None:
         """Keep the first ``accept_lens[n]`` verified steps of request ``n`` (its last token and
@@ -217,21 +201,29 @@ class KDALayer(nn.Module):
         ``parents [N, T]`` (``tree_verify``). Needs a speculative pool with ``1 + num_spec >= T``;
         writes each node's snapshot (or ring entries) and windows to scratch row
         ``scratch_rows[n]``. Returns ``[N, T, hidden]``; ``commit_node`` keeps an accepted node."""
+        return self._verify(x, slots, scratch_rows, parents, cache)
+
+    def _verify(self, x, slots, scratch_rows, parents, cache):
+        """A chain verify (``parents`` None: ``mtp_verify``) or a tree verify (``tree_verify``)."""
         c = self._cache(cache)
         if c.intermediate_conv is None:
-            raise ValueError("tree verify needs a pool with speculative buffers (StatePool(spec='snapshot'|'ring')).")
+            what = "verify" if parents is None else "tree verify"
+            raise ValueError(f"{what} needs a pool with speculative buffers (StatePool(spec='snapshot'|'ring')).")
         N, T, _ = x.shape
         H, HV, K, V = self.H, self.HV, self.K, self.V
         slot_t = slots if torch.is_tensor(slots) else self._slots(slots, N)
         rows_t = scratch_rows if torch.is_tensor(scratch_rows) else self._slots(scratch_rows, N)
         xf = x.reshape(N * T, -1)
         a, b, gate = self._gate_inputs(xf)
-        o = tree_verify(self.q_proj(xf).view(N, T, H, K), self.k_proj(xf).view(N, T, H, K),
-                        self.v_proj(xf).view(N, T, HV, V), a.view(N, T, HV, K), b.view(N, T, HV), self.A_log,
-                        self.dt_bias, c.state, slot_t, rows_t, parents, conv_weights=self.conv_weights_qkv,
-                        conv_states=c.conv_qkv, intermediate_conv=c.intermediate_conv_qkv,
-                        snapshots=c.snapshots if c.rings is None else None, rings=c.rings, lower_bound=self.lower_bound, norm_gate=gate.view(N, T, HV, V),
-                        norm_weight=self.o_norm_weight, norm_eps=self.norm_eps)
+        tokens = (self.q_proj(xf).view(N, T, H, K), self.k_proj(xf).view(N, T, H, K),
+                  self.v_proj(xf).view(N, T, HV, V), a.view(N, T, HV, K), b.view(N, T, HV), self.A_log,
+                  self.dt_bias, c.state, slot_t, rows_t)
+        options = dict(conv_weights=self.conv_weights_qkv, conv_states=c.conv_qkv,
+                       intermediate_conv=c.intermediate_conv_qkv,
+                       snapshots=c.snapshots if c.rings is None else None, rings=c.rings,
+                       lower_bound=self.lower_bound, norm_gate=gate.view(N, T, HV, V),
+                       norm_weight=self.o_norm_weight, norm_eps=self.norm_eps)
+        o = mtp_verify(*tokens, **options) if parents is None else tree_verify(*tokens, parents, **options)
         return self.o_proj(o.view(N, T, HV * V))
 
     def commit_node(self, slots, scratch_rows, accepted_nodes, *, paths=None, path_lens=None,
