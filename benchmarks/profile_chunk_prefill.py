@@ -1,0 +1,74 @@
+"""Per-kernel GPU times of kdakit.chunk_prefill and fla's chunk_kda (torch.profiler).
+
+    python benchmarks/profile_chunk_prefill.py [--cases 2k,8x2k] [--fla]
+
+For each case and launch config: the mean GPU µs of every kernel a call launches, over
+``reps`` eager calls after warm-up. Where the time goes decides what to tune.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_chunk_prefill import fla_call, kdakit_call, make_layer  # noqa: E402
+
+from kdakit.ops.chunk_prefill import ChunkConfig, chunk_config  # noqa: E402
+
+CASES = {"2k": [2048], "8x2k": [2048] * 8, "8k": [8192], "64x512": [512] * 64}
+
+
+def kernel_times(call, reps=5):
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            call()
+        torch.cuda.synchronize()
+    per = defaultdict(float)
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            per[ev.name[:60]] += ev.device_time / reps
+    return dict(per)
+
+
+def show(label, per):
+    total = sum(per.values())
+    print(f"{label:50s} total {total:9.1f} us", flush=True)
+    for name, t in sorted(per.items(), key=lambda x: -x[1])[:8]:
+        print(f"    {t:9.1f} us  {name}", flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", default="2k,8x2k")
+    ap.add_argument("--fla", action="store_true")
+    ap.add_argument("--H", type=int, default=32)
+    args = ap.parse_args()
+    for case in args.cases.split(","):
+        L = make_layer(CASES[case], args.H, args.H, 128, 128)
+        N = len(CASES[case])
+        base = chunk_config(N, args.H, 128, 128)
+        variants = {"default": base,
+                    "tf32": ChunkConfig(**{**base.__dict__, "dot_precision": "tf32"}),
+                    "tf32-bv64": ChunkConfig(**{**base.__dict__, "dot_precision": "tf32", "block_v": 64}),
+                    "tf32-bv32": ChunkConfig(**{**base.__dict__, "dot_precision": "tf32", "block_v": 32}),
+                    "prefetch": ChunkConfig(**{**base.__dict__, "prefetch": True}),
+                    "c32": ChunkConfig(**{**base.__dict__, "chunk": 32, "prep_warps": 4})}
+        for vname, cfg in variants.items():
+            try:
+                show(f"{case} H={args.H} kdakit {vname} {cfg}", kernel_times(kdakit_call(L, None, cfg)))
+            except Exception as exc:  # noqa: BLE001
+                print(f"{case} {vname} failed: {exc!r}"[:300], flush=True)
+        if args.fla:
+            show(f"{case} H={args.H} fla (gather/scatter)", kernel_times(fla_call(L, None)))
+
+
+if __name__ == "__main__":
+    main()
