@@ -245,16 +245,16 @@ def timings(results, names, sweep):
             variants = [("kdakit", lambda layer: kdakit_call(layer, lb))]
             if sweep:
                 sweep_cfgs = [ChunkConfig(chunk=64, block_v=bv, state_warps=w) for bv in (16, 32, 64) for w in (4, 8)]
-                sweep_cfgs += [ChunkConfig(chunk=64, block_v=bv, prefetch=True) for bv in (16, 32, 64)]
+                sweep_cfgs += [ChunkConfig(chunk=64, block_v=bv, pipeline_stages=st) for bv in (16, 32, 64) for st in (1, 3)]
                 sweep_cfgs += [ChunkConfig(chunk=32, block_v=bv, prep_warps=4) for bv in (32, 64)]
                 sweep_cfgs += [ChunkConfig(chunk=64, block_v=32, prep_warps=4),
-                               ChunkConfig(chunk=64, block_v=32, dot_precision="tf32"),
-                               ChunkConfig(chunk=64, block_v=64, dot_precision="tf32")]
+                               ChunkConfig(chunk=64, block_v=32, dot_precision="tf32x3"),
+                               ChunkConfig(chunk=64, block_v=64, dot_precision="tf32x3")]
                 if lb is not None:
                     sweep_cfgs.append(ChunkConfig(chunk=64, block_v=32, factor_safe_gate=False))
                 for cfg in sweep_cfgs:
                     variants.append((f"kdakit-c{cfg.chunk}-bv{cfg.block_v}-pw{cfg.prep_warps}-sw{cfg.state_warps}"
-                                     f"-{cfg.dot_precision}{'-prefetch' if cfg.prefetch else ''}"
+                                     f"-{cfg.dot_precision}-st{cfg.pipeline_stages}"
                                      f"{'' if cfg.factor_safe_gate else '-exactdiag'}",
                                      lambda layer, cfg=cfg: kdakit_call(layer, lb, cfg)))
             variants.append(("fla", lambda layer: fla_call(layer, lb)))

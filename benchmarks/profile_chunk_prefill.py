@@ -11,6 +11,7 @@ import argparse
 import os
 import sys
 from collections import defaultdict
+from dataclasses import replace
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -18,7 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_chunk_prefill import fla_call, kdakit_call, make_layer  # noqa: E402
 
-from kdakit.ops.chunk_prefill import ChunkConfig, chunk_config  # noqa: E402
+from kdakit.ops.chunk_prefill import chunk_config  # noqa: E402
 
 CASES = {"2k": [2048], "8x2k": [2048] * 8, "8k": [8192], "64x512": [512] * 64}
 
@@ -55,12 +56,12 @@ def main():
         L = make_layer(CASES[case], args.H, args.H, 128, 128)
         N = len(CASES[case])
         base = chunk_config(N, args.H, 128, 128)
-        variants = {"default": base,
-                    "tf32": ChunkConfig(**{**base.__dict__, "dot_precision": "tf32"}),
-                    "tf32-bv64": ChunkConfig(**{**base.__dict__, "dot_precision": "tf32", "block_v": 64}),
-                    "tf32-bv32": ChunkConfig(**{**base.__dict__, "dot_precision": "tf32", "block_v": 32}),
-                    "prefetch": ChunkConfig(**{**base.__dict__, "prefetch": True}),
-                    "c32": ChunkConfig(**{**base.__dict__, "chunk": 32, "prep_warps": 4})}
+        variants = {"default": base, "tf32x3": replace(base, dot_precision="tf32x3"),
+                    "prep8w": replace(base, prep_warps=8)}
+        for bv in (16, 32, 64):
+            for stages in (1, 2, 3):
+                variants[f"bv{bv}-st{stages}"] = replace(base, block_v=bv, pipeline_stages=stages)
+        variants["bv32-st2-4w"] = replace(base, block_v=32, pipeline_stages=2, state_warps=4)
         for vname, cfg in variants.items():
             try:
                 show(f"{case} H={args.H} kdakit {vname} {cfg}", kernel_times(kdakit_call(L, None, cfg)))

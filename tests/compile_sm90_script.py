@@ -101,7 +101,7 @@ for n_seq in (3, 130):  # one-token sequences: two tiles a program up to 256 pai
 kdakit.gated_rmsnorm(rnd(4096, V), rnd(4096, V), torch.rand(V), backend="triton")  # 8 rows a program
 # Chunked prefill at real head sizes: default gate with has_initial_state and chunk-boundary
 # states; safe gate on a bf16 pool; the log-decay input with a beta logit x2 (the fla drop-in),
-# 32-token chunks and the state kernel's prefetch.
+# 32-token chunks and a three-stage pipeline in the state kernel.
 Tp = 70
 cu_p = torch.tensor([0, 5, Tp], dtype=torch.int32)
 xp = [rnd(1, Tp, H, K), rnd(1, Tp, H, K), rnd(1, Tp, HV, V), rnd(1, Tp, HV, K), rnd(1, Tp, HV)]
@@ -115,7 +115,7 @@ from kdakit.ops.chunk_prefill import ChunkConfig, chunk_prefill_triton  # noqa: 
 chunk_prefill_triton(*xp[:3], -torch.rand(1, Tp, HV, K), xp[4], state, torch.tensor([1, 2], dtype=torch.int32),
                      torch.empty(1, Tp, HV, V, dtype=bf), cu_seqlens=cu_p, scale=0.1, use_qk_l2norm=True, A_log=None,
                      dt_bias=None, lower_bound=None, beta_mode=2, has_initial_state=None, chunk_states=None,
-                     chunk_state_indices=None, config=ChunkConfig(chunk=32, block_v=64, prep_warps=4, prefetch=True))
+                     chunk_state_indices=None, config=ChunkConfig(chunk=32, block_v=64, prep_warps=4, pipeline_stages=3))
 assert COMPILED_FOR_TARGET[-6:] == ["_chunk_prep_kernel", "_chunk_state_kernel"] * 3, COMPILED_FOR_TARGET[-6:]
 from kdakit.compat.fla import fused_recurrent_kda  # noqa: E402  (K-major pool, zero initial states)
 os.environ["KDAKIT_BACKEND"] = "triton"  # the compat entry has no backend argument

@@ -66,7 +66,7 @@ import triton.language as tl
 
 from .. import contracts, errors, reference
 from ..backends import register, select
-from .launch import CachedKernel, cdiv, next_power_of_2
+from .launch import CachedKernel, cdiv, interpreting, next_power_of_2
 from .triton_math import count_bad_row, kda_log_decay
 
 CHUNK_SIZE = 64  # tokens per chunk on the GPU (prefix-cache boundaries come every CHUNK_SIZE tokens)
@@ -80,11 +80,11 @@ class ChunkConfig:
     """Launch configuration of one call (``chunk_config`` picks it from the shapes)."""
     chunk: int = CHUNK_SIZE          # tokens per chunk: 16, 32 or 64 (a multiple of SUB)
     block_v: int = 64                # V rows of the state tile per state-kernel program
-    sub_k: int = 32                  # key channels per step of the exact in-sub-block pair sums
+    sub_k: int = 8                   # key channels per step of the exact in-sub-block pair sums
     prep_warps: int = 4
-    state_warps: int = 4
-    dot_precision: str = "tf32x3"    # "tf32x3", "ieee" or "tf32"
-    prefetch: bool = False           # state kernel: load the next chunk's factors during this one's products
+    state_warps: int = 8
+    dot_precision: str = "tf32"      # "tf32", "tf32x3" or "ieee"
+    pipeline_stages: int = 2         # state kernel: chunks whose factors are in flight at once (1: none ahead)
     factor_safe_gate: bool = True    # safe gate: in-sub-block pairs factored too (|Γ| <= 16·5 = 80 there)
 
 
@@ -118,12 +118,6 @@ def _bcast(flag, like):
 
 
 @triton.jit
-def _row(x, offs, i):
-    """Row ``i`` of the 2-D tile ``x`` whose row indices are ``offs`` (a 1-D vector)."""
-    return tl.sum(tl.where(offs[:, None] == i, x, 0.0), axis=0)
-
-
-@triton.jit
 def _chunk_prep_kernel(
     q, k, v, g, beta, A_log, dt_bias, cu_seqlens, chunk_first, chunk_seq,
     ws_q, ws_k, ws_w, ws_u, ws_p, ws_a, ws_g,
@@ -132,10 +126,13 @@ def _chunk_prep_kernel(
     stride_b_t, stride_b_h,
     scale, lower_bound,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, C: tl.constexpr, SUB_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, C: tl.constexpr, SUB_K: tl.constexpr, SLICE: tl.constexpr,
     USE_QK_L2NORM: tl.constexpr, GATE_IN_KERNEL: tl.constexpr, SAFE_GATE: tl.constexpr,
     BETA_MODE: tl.constexpr, DOT_PRECISION: tl.constexpr, FACTOR_DIAG: tl.constexpr,
 ):
+    # Every phase reads what it needs back from the (L2-resident) workspace in 16-row or
+    # SLICE-column pieces, so that no [C, K] tile outlives its phase: whole-chunk tiles kept
+    # live across phases spill registers.
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     c64 = i_c.to(tl.int64)
@@ -153,129 +150,138 @@ def _chunk_prep_kernel(
 
     offs_c = tl.arange(0, C)
     offs_k = tl.arange(0, BLOCK_K)
-    offs_v = tl.arange(0, BLOCK_V)
     mask_c = offs_c < n_tok
-    mask_k = offs_k < K
-    mask_ck = mask_c[:, None] & mask_k[None, :]
+    mask_ck = mask_c[:, None] & (offs_k < K)[None, :]
     tok = t0 + offs_c
+    # This (chunk, head)'s rows of the [rows, ...] workspaces; offsets inside them are int32
+    # (64-bit offset tiles double the registers every address takes).
+    ws_row = (c64 * HV + i_hv) * C
+    wq = ws_q + ws_row * BLOCK_K
+    wk = ws_k + ws_row * BLOCK_K
+    ww = ws_w + ws_row * BLOCK_K
+    wa = ws_a + ws_row * C
+    wp = ws_p + ws_row * C
+    p_ck = offs_c[:, None] * BLOCK_K + offs_k[None, :]
 
-    # ---- token-parallel preparation: norm, gate, β, cumulative decay ----
-    b_q = tl.load(q + tok[:, None] * stride_q_t + i_h * stride_q_h + offs_k[None, :], mask=mask_ck, other=0.0)
+    # ---- token-parallel: normalised k̂ and q̂ (scaled), the cumulative decay Γ ----
     b_k = tl.load(k + tok[:, None] * stride_k_t + i_h * stride_k_h + offs_k[None, :], mask=mask_ck, other=0.0)
-    b_g = tl.load(g + tok[:, None] * stride_g_t + i_hv * stride_g_h + offs_k[None, :], mask=mask_ck, other=0.0)
-    b_q = b_q.to(tl.float32)
     b_k = b_k.to(tl.float32)
-    b_g = b_g.to(tl.float32)
-    b_beta = tl.load(beta + tok * stride_b_t + i_hv * stride_b_h, mask=mask_c, other=0.0).to(tl.float32)
+    if USE_QK_L2NORM:
+        b_k = b_k / tl.sqrt(tl.sum(b_k * b_k, axis=1) + 1e-6)[:, None]
+    tl.store(wk + p_ck, b_k)
+    b_q = tl.load(q + tok[:, None] * stride_q_t + i_h * stride_q_h + offs_k[None, :], mask=mask_ck, other=0.0)
+    b_q = b_q.to(tl.float32)
     if USE_QK_L2NORM:
         b_q = b_q / tl.sqrt(tl.sum(b_q * b_q, axis=1) + 1e-6)[:, None]
-        b_k = b_k / tl.sqrt(tl.sum(b_k * b_k, axis=1) + 1e-6)[:, None]
-    b_q = b_q * scale
+    tl.store(wq + p_ck, b_q * scale)
+    b_g = tl.load(g + tok[:, None] * stride_g_t + i_hv * stride_g_h + offs_k[None, :], mask=mask_ck, other=0.0)
+    b_g = b_g.to(tl.float32)
     if GATE_IN_KERNEL:
         A_h = tl.load(A_log + i_hv).to(tl.float32)
-        bias = tl.load(dt_bias + i_hv * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        bias = tl.load(dt_bias + i_hv * K + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
         b_g = kda_log_decay(b_g, bias[None, :], A_h, lower_bound, SAFE_GATE)
     b_g = tl.where(mask_ck, b_g, 0.0)  # rows past the chunk's tokens: no decay, so Γ_C is the last token's
+    tl.store(ww + p_ck, tl.cumsum(b_g, axis=0))  # Γ: chunk-local, inclusive, <= 0 and non-increasing
+    tl.debug_barrier()
+
+    # ---- A (β-scaled, strictly lower) and P (lower), one 16-row sub-block i at a time ----
+    # Pairs inside sub-block i: exact decays, element-wise, over K in SUB_K slices. Pairs
+    # with sub-block j < i: factored at the boundary b before sub-block i (the last token of
+    # sub-block i-1), e^(Γ_s - Γ_b) · e^(Γ_b - Γ_r), both <= 1: one 16 x 16 product a pair.
+    offs_s = tl.arange(0, 16)
+    offs_j = tl.arange(0, SUB_K)
+    causal = offs_s[:, None] >= offs_s[None, :]
+    for i in range(NB):  # a loop, not unrolled: unrolled sub-blocks keep each other's tiles live
+        rows = i * 16 + offs_s
+        live_i = rows < n_tok
+        beta_i = tl.load(beta + (t0 + rows) * stride_b_t + i_hv * stride_b_h, mask=live_i, other=0.0)
+        beta_i = beta_i.to(tl.float32)
+        if BETA_MODE == 1:
+            beta_i = tl.sigmoid(beta_i)
+        if BETA_MODE == 2:
+            beta_i = tl.sigmoid(beta_i) * 2.0
+        beta_i = tl.where(live_i, beta_i, 0.0)
+        p_blk = rows[:, None] * C + offs_s[None, :]  # + j * 16: block (i, j) of the [C, C] workspaces
+        if not FACTOR_DIAG:
+            acc_a = tl.zeros([16, 16], dtype=tl.float32)
+            acc_p = tl.zeros([16, 16], dtype=tl.float32)
+            for kk in range(0, BLOCK_K, SUB_K):
+                p_sk = rows[:, None] * BLOCK_K + kk + offs_j[None, :]
+                sk = tl.load(wk + p_sk)
+                sq = tl.load(wq + p_sk)
+                sg = tl.load(ww + p_sk)
+                e = tl.exp(tl.where(causal[:, :, None], sg[:, None, :] - sg[None, :, :], float("-inf")))
+                kr = sk[None, :, :] * e  # k̂_r e^(Γ_s - Γ_r), [16, 16, SUB_K]
+                acc_a += tl.sum(sk[:, None, :] * kr, axis=2)
+                acc_p += tl.sum(sq[:, None, :] * kr, axis=2)
+            tl.store(wa + p_blk + i * 16, tl.where(offs_s[:, None] > offs_s[None, :], acc_a * beta_i[:, None], 0.0))
+            tl.store(wp + p_blk + i * 16, acc_p)
+        # Γ_b: the last token of sub-block i-1 (none before the chunk: Γ = 0 there)
+        G_ref = tl.load(ww + (i * 16 - 1) * BLOCK_K + offs_k, mask=(offs_k * 0 + i) > 0, other=0.0)
+        p_rk = rows[:, None] * BLOCK_K + offs_k[None, :]
+        left = tl.exp(tl.load(ww + p_rk) - G_ref[None, :])  # [16, BLOCK_K], <= 1
+        k_left = tl.load(wk + p_rk) * left * beta_i[:, None]
+        q_left = tl.load(wq + p_rk) * left
+        for j in range(0, i + 1 if FACTOR_DIAG else i):
+            p_jk = (j * 16 + offs_s)[:, None] * BLOCK_K + offs_k[None, :]
+            # <= 1 for j < i; inside sub-block i (safe gate only) <= e^(16 · 5)
+            right = tl.trans(tl.load(wk + p_jk) * tl.exp(G_ref[None, :] - tl.load(ww + p_jk)))
+            a_ij = tl.dot(k_left, right, input_precision=DOT_PRECISION)
+            p_ij = tl.dot(q_left, right, input_precision=DOT_PRECISION)
+            if FACTOR_DIAG:  # the diagonal block: strictly lower (A), lower (P)
+                a_ij = tl.where((offs_s[:, None] > offs_s[None, :]) | (j < i), a_ij, 0.0)
+                p_ij = tl.where(causal | (j < i), p_ij, 0.0)
+            tl.store(wa + p_blk + j * 16, a_ij)
+            tl.store(wp + p_blk + j * 16, p_ij)
+    tl.debug_barrier()
+
+    # ---- T = (I + A)^-1 in place of A ----
+    _invert_unit_lower(wa, C, NB, DOT_PRECISION)
+    tl.debug_barrier()
+
+    # ---- w = T diag(β)(k̂ ⊙ e^Γ), u = T diag(β) v, q̂ ⊙ e^Γ, k̂ ⊙ e^(Γ_C - Γ), e^Γ_C ----
+    # in SLICE-column pieces (each piece's reads are done before its writes)
+    p_cc = offs_c[:, None] * C + offs_c[None, :]
+    blk = offs_c // 16
+    b_T = tl.load(wa + p_cc, mask=blk[:, None] >= blk[None, :], other=0.0)
+    b_beta = tl.load(beta + tok * stride_b_t + i_hv * stride_b_h, mask=mask_c, other=0.0).to(tl.float32)
     if BETA_MODE == 1:
         b_beta = tl.sigmoid(b_beta)
     if BETA_MODE == 2:
         b_beta = tl.sigmoid(b_beta) * 2.0
     b_beta = tl.where(mask_c, b_beta, 0.0)
-    G = tl.cumsum(b_g, axis=0)  # [C, BLOCK_K], chunk-local, inclusive, <= 0 and non-increasing
-
-    ws_row = (c64 * HV + i_hv) * C  # first row of this (chunk, head) in the [rows, ...] workspaces
-    p_ck = (ws_row + offs_c)[:, None] * BLOCK_K + offs_k[None, :]
-    p_cc = (ws_row + offs_c)[:, None] * C + offs_c[None, :]
-    # q̂, k̂ and Γ through the workspace: the in-sub-block pair sums read them back in slices.
-    tl.store(ws_q + p_ck, b_q)
-    tl.store(ws_k + p_ck, b_k)
-    tl.store(ws_w + p_ck, G)
-    tl.debug_barrier()
-
-    # ---- A and P, one 16-row sub-block at a time ----
-    # Pairs inside the sub-block: exact decays, element-wise, over K in slices. Pairs with
-    # an earlier sub-block: factored at the boundary before this one (Γ_b, the last token
-    # of the previous sub-block), e^(Γ_s - Γ_b) · e^(Γ_b - Γ_r), both <= 1: one product.
-    offs_s = tl.arange(0, 16)
-    offs_j = tl.arange(0, SUB_K)
-    causal = offs_s[:, None] >= offs_s[None, :]
-    for i in tl.static_range(NB):
-        rows = ws_row + i * 16 + offs_s
-        if not FACTOR_DIAG:
-            acc_a = tl.zeros([16, 16], dtype=tl.float32)
-            acc_p = tl.zeros([16, 16], dtype=tl.float32)
-            for kk in tl.static_range(0, BLOCK_K, SUB_K):
-                p_sk = rows[:, None] * BLOCK_K + kk + offs_j[None, :]
-                sk = tl.load(ws_k + p_sk)
-                sq = tl.load(ws_q + p_sk)
-                sg = tl.load(ws_w + p_sk)
-                d = sg[:, None, :] - sg[None, :, :]  # Γ_s - Γ_r, [16, 16, SUB_K]
-                e = tl.exp(tl.where(causal[:, :, None], d, float("-inf")))
-                kr = sk[None, :, :] * e
-                acc_a += tl.sum(sk[:, None, :] * kr, axis=2)
-                acc_p += tl.sum(sq[:, None, :] * kr, axis=2)
-            p_diag = rows[:, None] * C + i * 16 + offs_s[None, :]
-            tl.store(ws_a + p_diag, tl.where(offs_s[:, None] > offs_s[None, :], acc_a, 0.0))
-            tl.store(ws_p + p_diag, acc_p)
-        if FACTOR_DIAG or i > 0:
-            # Columns before sub-block i (and, with FACTOR_DIAG, sub-block i itself).
-            p_rk = rows[:, None] * BLOCK_K + offs_k[None, :]
-            if i > 0:
-                G_ref = tl.load(ws_w + (ws_row + i * 16 - 1) * BLOCK_K + offs_k)
-            else:
-                G_ref = tl.zeros([BLOCK_K], dtype=tl.float32)
-            if FACTOR_DIAG:
-                n_cols = (i + 1) * 16
-            else:
-                n_cols = i * 16
-            left = tl.exp(tl.load(ws_w + p_rk) - G_ref[None, :])  # [16, BLOCK_K], <= 1
-            right = b_k * tl.exp(tl.where((offs_c < n_cols)[:, None], G_ref[None, :] - G, float("-inf")))
-            right_t = tl.trans(right)  # <= 1 before sub-block i; <= e^(16 |L|) inside it (FACTOR_DIAG)
-            off_a = tl.dot(tl.load(ws_k + p_rk) * left, right_t, input_precision=DOT_PRECISION)  # [16, C]
-            off_p = tl.dot(tl.load(ws_q + p_rk) * left, right_t, input_precision=DOT_PRECISION)
-            p_off = rows[:, None] * C + offs_c[None, :]
-            cols = (offs_c < n_cols)[None, :] & (offs_s >= 0)[:, None]
-            tl.store(ws_a + p_off, off_a, mask=cols)
-            tl.store(ws_p + p_off, off_p, mask=cols)
-    tl.debug_barrier()
-    lower = offs_c[:, None] > offs_c[None, :]
-    b_A = tl.load(ws_a + p_cc, mask=lower, other=0.0) * b_beta[:, None]
-    b_P = tl.load(ws_p + p_cc, mask=offs_c[:, None] >= offs_c[None, :], other=0.0)
-    tl.debug_barrier()
-    tl.store(ws_a + p_cc, b_A)  # β-scaled, for the block solve below
-
-    # ---- T = (I + A)^-1: the 16 x 16 diagonal blocks by forward substitution (all at
-    # once), then the blocks below them row block by row block, from 16 x 16 products ----
-    b_T = _solve_unit_lower(ws_a, ws_p, ws_row, C, NB, DOT_PRECISION)
-
-    # ---- w, u and the chunk's factors for the state chain ----
-    G_last = _row(G, offs_c, C - 1)
-    b_v = tl.load(v + tok[:, None] * stride_v_t + i_hv * stride_v_h + offs_v[None, :],
-                  mask=mask_c[:, None] & (offs_v < V)[None, :], other=0.0).to(tl.float32)
-    e_G = tl.exp(G)
-    b_w = tl.dot(b_T, b_k * e_G * b_beta[:, None], input_precision=DOT_PRECISION)
-    b_u = tl.dot(b_T, b_v * b_beta[:, None], input_precision=DOT_PRECISION)
-    b_qg = tl.load(ws_q + p_ck) * e_G
-    tl.debug_barrier()  # every read of the workspace above is done before it is overwritten
-    tl.store(ws_w + p_ck, b_w)
-    tl.store(ws_q + p_ck, b_qg)
-    tl.store(ws_k + p_ck, b_k * tl.exp(G_last[None, :] - G))
-    tl.store(ws_u + (ws_row + offs_c)[:, None] * BLOCK_V + offs_v[None, :], b_u)
-    tl.store(ws_p + p_cc, b_P)
-    tl.store(ws_g + (c64 * HV + i_hv) * BLOCK_K + offs_k, tl.exp(G_last))
+    offs_n = tl.arange(0, SLICE)
+    for kk in tl.static_range(0, BLOCK_K, SLICE):
+        p_sl = offs_c[:, None] * BLOCK_K + kk + offs_n[None, :]
+        G = tl.load(ww + p_sl)
+        G_last = tl.load(ww + (C - 1) * BLOCK_K + kk + offs_n)
+        kn = tl.load(wk + p_sl)
+        qn = tl.load(wq + p_sl)
+        e_G = tl.exp(G)
+        b_w = tl.dot(b_T, kn * e_G * b_beta[:, None], input_precision=DOT_PRECISION)
+        tl.debug_barrier()
+        tl.store(ww + p_sl, b_w)
+        tl.store(wq + p_sl, qn * e_G)
+        tl.store(wk + p_sl, kn * tl.exp(G_last[None, :] - G))
+        tl.store(ws_g + (c64 * HV + i_hv) * BLOCK_K + kk + offs_n, tl.exp(G_last))
+    for vv in tl.static_range(0, BLOCK_V, SLICE):
+        offs_v = vv + offs_n
+        b_v = tl.load(v + tok[:, None] * stride_v_t + i_hv * stride_v_h + offs_v[None, :],
+                      mask=mask_c[:, None] & (offs_v < V)[None, :], other=0.0).to(tl.float32)
+        b_u = tl.dot(b_T, b_v * b_beta[:, None], input_precision=DOT_PRECISION)
+        tl.store(ws_u + ws_row * BLOCK_V + offs_c[:, None] * BLOCK_V + offs_v[None, :], b_u)
 
 
 @triton.jit
-def _solve_unit_lower(ws_a, ws_t, ws_row, C: tl.constexpr, NB: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """``(I + A)^-1`` for the strictly lower-triangular ``A [C, C]`` at rows ``ws_row..`` of
-    ``ws_a``, using ``ws_t`` (same shape) as scratch; returns it as a register tile."""
+def _invert_unit_lower(wa, C: tl.constexpr, NB: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """``(I + A)^-1`` for the strictly lower-triangular ``A [C, C]`` at
+    ``wa`` (row stride ``C``), written over it (blocks above the diagonal are left as they are)."""
     offs_s = tl.arange(0, 16)
-    offs_c = tl.arange(0, C)
     offs_b = tl.arange(0, NB)
-    # Diagonal blocks [NB, 16, 16], every block's row r at once.
-    p_d = (ws_row + offs_b[:, None, None] * 16 + offs_s[None, :, None]) * C \
+    # Diagonal blocks [NB, 16, 16] by forward substitution, every block's row r at once.
+    p_d = (offs_b[:, None, None] * 16 + offs_s[None, :, None]) * C \
         + offs_b[:, None, None] * 16 + offs_s[None, None, :]
-    A_d = tl.load(ws_a + p_d)
+    A_d = tl.load(wa + p_d)
     row3 = offs_s[None, :, None] + offs_b[:, None, None] * 0
     col2 = offs_s[None, :] + offs_b[:, None] * 0
     inv = tl.where(row3 == offs_s[None, None, :], 1.0, 0.0)
@@ -283,44 +289,69 @@ def _solve_unit_lower(ws_a, ws_t, ws_row, C: tl.constexpr, NB: tl.constexpr, DOT
         a_r = tl.sum(tl.where(row3 == r, A_d, 0.0), axis=1)  # [NB, 16]: row r of each block
         new = tl.where(col2 == r, 1.0, 0.0) - tl.sum(a_r[:, :, None] * inv, axis=1)
         inv = tl.where(row3 == r, new[:, None, :], inv)
-    tl.store(ws_t + p_d, inv)
     tl.debug_barrier()
-    # Below the diagonal: T_ij = -T_ii Σ_{j<=m<i} A_im T_mj, row block by row block.
+    tl.store(wa + p_d, inv)
+    tl.debug_barrier()
+    # Below the diagonal, row block by row block, j ascending: T_ij = -T_ii Σ_{j<=m<i} A_im T_mj.
+    # T_ij may overwrite A_ij: the later j of row block i read A_im only for m > j.
     for i in tl.static_range(1, NB):
-        p_ii = (ws_row + i * 16 + offs_s[:, None]) * C + i * 16 + offs_s[None, :]
-        t_ii = tl.load(ws_t + p_ii)
+        p_i = (i * 16 + offs_s[:, None]) * C + offs_s[None, :]
+        t_ii = tl.load(wa + p_i + i * 16)
         for j in tl.static_range(0, i):
             acc = tl.zeros([16, 16], dtype=tl.float32)
             for m in tl.static_range(j, i):
-                a_im = tl.load(ws_a + (ws_row + i * 16 + offs_s[:, None]) * C + m * 16 + offs_s[None, :])
-                t_mj = tl.load(ws_t + (ws_row + m * 16 + offs_s[:, None]) * C + j * 16 + offs_s[None, :])
+                a_im = tl.load(wa + p_i + m * 16)
+                t_mj = tl.load(wa + (m * 16 + offs_s[:, None]) * C + j * 16 + offs_s[None, :])
                 acc = tl.dot(a_im, t_mj, acc, input_precision=DOT_PRECISION)
             t_ij = -tl.dot(t_ii, acc, input_precision=DOT_PRECISION)
-            tl.store(ws_t + (ws_row + i * 16 + offs_s[:, None]) * C + j * 16 + offs_s[None, :], t_ij)
-        tl.debug_barrier()
-    blk = offs_c // 16
-    return tl.load(ws_t + (ws_row + offs_c[:, None]) * C + offs_c[None, :],
-                   mask=blk[:, None] >= blk[None, :], other=0.0)
+            tl.debug_barrier()
+            tl.store(wa + p_i + j * 16, t_ij)
+            tl.debug_barrier()
 
 
 @triton.jit
-def _chunk_factors(ws_q, ws_k, ws_w, ws_u, ws_p, ws_g, c, ok, i_hv, offs_c, offs_k, offs_v,
-                   HV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V_WS: tl.constexpr, C: tl.constexpr):
-    """Chunk ``c``'s factors for one value head (zeros where not ``ok``: past the sequence,
-    maybe past the workspace): w, u (this program's V columns), q̂ e^Γ, k̂ e^(Γ_C - Γ), P, e^Γ_C."""
-    ws_row = (tl.where(ok, c, 0) * HV + i_hv) * C
-    p_ck = (ws_row + offs_c)[:, None] * BLOCK_K + offs_k[None, :]
-    m_ck = _bcast(ok, p_ck)
-    b_w = tl.load(ws_w + p_ck, mask=m_ck, other=0.0)
-    p_u = (ws_row + offs_c)[:, None] * BLOCK_V_WS + offs_v[None, :]
-    b_u = tl.load(ws_u + p_u, mask=_bcast(ok, p_u), other=0.0)
-    b_qg = tl.load(ws_q + p_ck, mask=m_ck, other=0.0)
-    b_kd = tl.load(ws_k + p_ck, mask=m_ck, other=0.0)
-    p_p = (ws_row + offs_c)[:, None] * C + offs_c[None, :]
-    b_P = tl.load(ws_p + p_p, mask=_bcast(ok, p_p), other=0.0)
-    p_g = (tl.where(ok, c, 0) * HV + i_hv) * BLOCK_K + offs_k
-    e_last = tl.load(ws_g + p_g, mask=_bcast(ok, p_g), other=0.0)
-    return b_w, b_u, b_qg, b_kd, b_P, e_last
+def _chain_step(S, c, c_first, live, counts, n64, bos, eos, i_hv, out, ws_q, ws_k, ws_w, ws_u, ws_p, ws_g,
+                chunk_states, chunk_state_idx, errors, num_chunk_slots, chunk_idx_cols,
+                stride_o_t, stride_o_h, stride_cs_slot, stride_cs_h, stride_cs_v, stride_cs_k, stride_ci_n,
+                stride_ci_j, offs_c, offs_k, offs_v, mask_v, mask_s,
+                HV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V_WS: tl.constexpr, C: tl.constexpr,
+                HAS_CHUNK_STATES: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERVAL: tl.constexpr,
+                ERR_INDEX: tl.constexpr):
+    """One chunk of the chain for one (sequence, value head, V tile): outputs, then the state."""
+    ws_row = (c * HV + i_hv) * C
+    p_ck = offs_c[:, None] * BLOCK_K + offs_k[None, :]
+    b_w = tl.load(ws_w + ws_row * BLOCK_K + p_ck)
+    b_u = tl.load(ws_u + ws_row * BLOCK_V_WS + offs_c[:, None] * BLOCK_V_WS + offs_v[None, :])
+    b_qg = tl.load(ws_q + ws_row * BLOCK_K + p_ck)
+    b_kd = tl.load(ws_k + ws_row * BLOCK_K + p_ck)
+    b_P = tl.load(ws_p + ws_row * C + offs_c[:, None] * C + offs_c[None, :],  # blocks above the diagonal: unwritten
+                  mask=offs_c[:, None] // 16 >= offs_c[None, :] // 16, other=0.0)
+    e_last = tl.load(ws_g + (c * HV + i_hv) * BLOCK_K + offs_k)
+    St = tl.trans(S)  # [BLOCK_K, BLOCK_V]
+    b_U = b_u - tl.dot(b_w, St, input_precision=DOT_PRECISION)  # [C, BLOCK_V]
+    b_o = tl.dot(b_qg, St, input_precision=DOT_PRECISION)
+    b_o = tl.dot(b_P, b_U, b_o, input_precision=DOT_PRECISION)
+    b_o = tl.where(live, b_o, 0.0)
+    t0 = bos + (c - c_first) * C
+    tok = t0 + offs_c
+    tl.store(out + tok[:, None] * stride_o_t + i_hv * stride_o_h + offs_v[None, :],
+             b_o.to(out.dtype.element_ty), mask=(tok < eos)[:, None] & mask_v[None, :])
+    S = S * e_last[None, :]
+    S = tl.dot(tl.trans(b_U), b_kd, S, input_precision=DOT_PRECISION)  # [BLOCK_V, BLOCK_K]
+    if HAS_CHUNK_STATES:
+        # The state after the sequence's first (j+1)*INTERVAL tokens, when it has that many.
+        EVERY: tl.constexpr = INTERVAL // C
+        steps = c - c_first + 1
+        j = steps // EVERY - 1
+        full = (steps % EVERY == 0) & (t0 + C <= eos) & live & (j < chunk_idx_cols)
+        row = tl.load(chunk_state_idx + n64 * stride_ci_n + tl.where(full, j, 0) * stride_ci_j,
+                      mask=full, other=-1).to(tl.int64)
+        ok = full & (row >= 0) & (row < num_chunk_slots)
+        count_bad_row(errors, full & (row >= num_chunk_slots) & counts, ERR_INDEX)
+        p_cs = chunk_states + tl.where(ok, row, 0) * stride_cs_slot + i_hv * stride_cs_h \
+            + offs_v[:, None] * stride_cs_v + offs_k[None, :] * stride_cs_k
+        tl.store(p_cs, S.to(chunk_states.dtype.element_ty), mask=mask_s & _bcast(ok, mask_s))
+    return S
 
 
 @triton.jit
@@ -333,7 +364,7 @@ def _chunk_state_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_V_WS: tl.constexpr, BLOCK_V: tl.constexpr, C: tl.constexpr,
     HAS_INITIAL_FLAGS: tl.constexpr, HAS_CHUNK_STATES: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PREFETCH: tl.constexpr, INTERVAL: tl.constexpr, ERR_INDEX: tl.constexpr,
+    PIPELINE_STAGES: tl.constexpr, INTERVAL: tl.constexpr, ERR_INDEX: tl.constexpr,
 ):
     i_v, i_hv, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n64 = i_n.to(tl.int64)
@@ -359,46 +390,25 @@ def _chunk_state_kernel(
     eos = tl.maximum(tl.minimum(tl.maximum(tl.load(cu_seqlens + n64 + 1).to(tl.int64), 0), T), bos)
     c_first = tl.load(chunk_first + n64).to(tl.int64)
     c_end = tl.minimum(tl.load(chunk_first + n64 + 1).to(tl.int64), max_chunks)  # never past the workspace
-    c = c_first
-    if PREFETCH:  # the first chunk's factors (none when the sequence is empty)
-        b_w, b_u, b_qg, b_kd, b_P, e_last = _chunk_factors(ws_q, ws_k, ws_w, ws_u, ws_p, ws_g, c, c < c_end, i_hv,
-                                                           offs_c, offs_k, offs_v, HV, BLOCK_K, BLOCK_V_WS, C)
-    while c < c_end:
-        t0 = bos + (c - c_first) * C
-        tok = t0 + offs_c
-        if PREFETCH:
-            # This chunk's factors were loaded one step ahead; load the next chunk's now, so
-            # that their latency overlaps this chunk's products.
-            w_c, u_c, qg_c, kd_c, P_c, g_c = b_w, b_u, b_qg, b_kd, b_P, e_last
-            b_w, b_u, b_qg, b_kd, b_P, e_last = _chunk_factors(ws_q, ws_k, ws_w, ws_u, ws_p, ws_g, c + 1,
-                                                               c + 1 < c_end, i_hv, offs_c, offs_k, offs_v,
-                                                               HV, BLOCK_K, BLOCK_V_WS, C)
-        else:
-            w_c, u_c, qg_c, kd_c, P_c, g_c = _chunk_factors(ws_q, ws_k, ws_w, ws_u, ws_p, ws_g, c, c < c_end, i_hv,
-                                                            offs_c, offs_k, offs_v, HV, BLOCK_K, BLOCK_V_WS, C)
-        St = tl.trans(S)  # [BLOCK_K, BLOCK_V]
-        b_U = u_c - tl.dot(w_c, St, input_precision=DOT_PRECISION)  # [C, BLOCK_V]
-        b_o = tl.dot(qg_c, St, input_precision=DOT_PRECISION)
-        b_o = tl.dot(P_c, b_U, b_o, input_precision=DOT_PRECISION)
-        b_o = tl.where(live, b_o, 0.0)
-        tl.store(out + tok[:, None] * stride_o_t + i_hv * stride_o_h + offs_v[None, :],
-                 b_o.to(out.dtype.element_ty), mask=(tok < eos)[:, None] & mask_v[None, :])
-        S = S * g_c[None, :]
-        S = tl.dot(tl.trans(b_U), kd_c, S, input_precision=DOT_PRECISION)  # [BLOCK_V, BLOCK_K]
-        if HAS_CHUNK_STATES:
-            # The state after the sequence's first (j+1)*INTERVAL tokens, when it has that many.
-            EVERY: tl.constexpr = INTERVAL // C
-            steps = c - c_first + 1
-            j = steps // EVERY - 1
-            full = (steps % EVERY == 0) & (t0 + C <= eos) & live & (j < chunk_idx_cols)
-            row = tl.load(chunk_state_idx + n64 * stride_ci_n + tl.where(full, j, 0) * stride_ci_j,
-                          mask=full, other=-1).to(tl.int64)
-            ok = full & (row >= 0) & (row < num_chunk_slots)
-            count_bad_row(errors, full & (row >= num_chunk_slots) & counts, ERR_INDEX)
-            p_cs = chunk_states + tl.where(ok, row, 0) * stride_cs_slot + i_hv * stride_cs_h \
-                + offs_v[:, None] * stride_cs_v + offs_k[None, :] * stride_cs_k
-            tl.store(p_cs, S.to(chunk_states.dtype.element_ty), mask=mask_s & _bcast(ok, mask_s))
-        c += 1
+    if PIPELINE_STAGES > 1:
+        # A counted loop, so that the compiler streams the next chunks' factors into shared
+        # memory while this chunk's products run (the interpreter cannot run a loop whose
+        # bound is loaded, so it takes the while loop below: the same step).
+        for c in tl.range(c_first, c_end, num_stages=PIPELINE_STAGES):
+            S = _chain_step(S, c, c_first, live, counts, n64, bos, eos, i_hv, out, ws_q, ws_k, ws_w, ws_u, ws_p, ws_g,
+                            chunk_states, chunk_state_idx, errors, num_chunk_slots, chunk_idx_cols,
+                            stride_o_t, stride_o_h, stride_cs_slot, stride_cs_h, stride_cs_v, stride_cs_k,
+                            stride_ci_n, stride_ci_j, offs_c, offs_k, offs_v, mask_v, mask_s,
+                            HV, BLOCK_K, BLOCK_V_WS, C, HAS_CHUNK_STATES, DOT_PRECISION, INTERVAL, ERR_INDEX)
+    else:
+        c = c_first
+        while c < c_end:
+            S = _chain_step(S, c, c_first, live, counts, n64, bos, eos, i_hv, out, ws_q, ws_k, ws_w, ws_u, ws_p, ws_g,
+                            chunk_states, chunk_state_idx, errors, num_chunk_slots, chunk_idx_cols,
+                            stride_o_t, stride_o_h, stride_cs_slot, stride_cs_h, stride_cs_v, stride_cs_k,
+                            stride_ci_n, stride_ci_j, offs_c, offs_k, offs_v, mask_v, mask_s,
+                            HV, BLOCK_K, BLOCK_V_WS, C, HAS_CHUNK_STATES, DOT_PRECISION, INTERVAL, ERR_INDEX)
+            c += 1
     tl.store(p_state, S.to(state.dtype.element_ty), mask=mask_s & _bcast(live, mask_s))
 
 
@@ -463,7 +473,7 @@ def chunk_prefill_triton(q, k, v, g, beta, state, slot_indices, out, *, cu_seqle
          q.stride(1), q.stride(2), k.stride(1), k.stride(2), v.stride(1), v.stride(2), g.stride(1), g.stride(2),
          beta.stride(1), beta.stride(2),
          float(scale), float(lower_bound) if lower_bound is not None else 0.0),
-        dict(H=H, HV=HV, K=K, V=V, BLOCK_K=BK, BLOCK_V=BVW, C=C, SUB_K=min(cfg.sub_k, BK),
+        dict(H=H, HV=HV, K=K, V=V, BLOCK_K=BK, BLOCK_V=BVW, C=C, SUB_K=min(cfg.sub_k, BK), SLICE=min(64, BK, BVW),
              USE_QK_L2NORM=bool(use_qk_l2norm), GATE_IN_KERNEL=gate, SAFE_GATE=lower_bound is not None,
              BETA_MODE=int(beta_mode), DOT_PRECISION=cfg.dot_precision,
              FACTOR_DIAG=lower_bound is not None and cfg.factor_safe_gate),
@@ -482,7 +492,8 @@ def chunk_prefill_triton(q, k, v, g, beta, state, slot_indices, out, *, cu_seqle
          ci.stride(0), ci.stride(1) if has_cs else 0, ci_cols),
         dict(H=H, HV=HV, K=K, V=V, BLOCK_K=BK, BLOCK_V_WS=BVW, BLOCK_V=block_v, C=C,
              HAS_INITIAL_FLAGS=has_initial_state is not None, HAS_CHUNK_STATES=has_cs,
-             DOT_PRECISION=cfg.dot_precision, PREFETCH=cfg.prefetch, INTERVAL=chunk_state_interval,
+             DOT_PRECISION=cfg.dot_precision, PIPELINE_STAGES=1 if interpreting() else cfg.pipeline_stages,
+             INTERVAL=chunk_state_interval,
              ERR_INDEX=errors.INDEX["chunk_prefill"]),
         num_warps=cfg.state_warps, num_stages=1)
     return out

@@ -78,6 +78,11 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def interpreting() -> bool:
+    """Triton's interpreter runs the kernels (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "") == "1"
+
+
 def compile_only_target():
     """The GPU target of compile-only mode, or None."""
     name = os.environ.get("KDAKIT_COMPILE_ONLY", "")
