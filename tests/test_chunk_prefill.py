@@ -18,9 +18,9 @@ from fla_oracle import fla_log_gate, fla_varlen
 from helpers import POISON, assert_close, kda_params, rel_err
 
 F64 = torch.float64
-IEEE16 = ChunkConfig(chunk=16, block_v=16, sub_k=16, dot_precision="ieee")
-IEEE32 = ChunkConfig(chunk=32, block_v=16, sub_k=16, dot_precision="ieee")
-IEEE16W = ChunkConfig(chunk=16, block_v=32, sub_k=8, dot_precision="ieee")  # a wider V tile, narrower key slices
+IEEE16 = ChunkConfig(chunk=16, block_v=16, dot_precision="ieee")
+IEEE32 = ChunkConfig(chunk=32, block_v=16, dot_precision="ieee")
+IEEE16W = ChunkConfig(chunk=16, block_v=32, dot_precision="ieee")  # a wider V tile, narrower key slices
 ERRORS = {}  # measured relative errors, printed by the last test (pytest -s)
 
 
@@ -153,7 +153,7 @@ def test_steep_gate_stays_finite_and_accurate(lower_bound):
     idx = torch.tensor([1, 2], dtype=torch.int32)
     ref_out, ref_pool, _ = ref64(x, A_log, dt_bias, cu, state, idx, lower_bound=lower_bound)
     out = torch.full((1, T, HV, V), POISON)
-    run_triton(x, A_log, dt_bias, cu, state, idx, out, ChunkConfig(chunk=64, block_v=16, sub_k=16),
+    run_triton(x, A_log, dt_bias, cu, state, idx, out, ChunkConfig(chunk=64, block_v=16),
                lower_bound=lower_bound)
     assert torch.isfinite(out).all() and torch.isfinite(state).all()
     ERRORS[f"steep gate {lower_bound} chunk64"] = rel_err(out, ref_out)

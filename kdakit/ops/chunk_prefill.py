@@ -80,7 +80,6 @@ class ChunkConfig:
     """Launch configuration of one call (``chunk_config`` picks it from the shapes)."""
     chunk: int = CHUNK_SIZE          # tokens per chunk: 16, 32 or 64 (a multiple of SUB)
     block_v: int = 64                # V rows of the state tile per state-kernel program
-    sub_k: int = 8                   # key channels per step of the exact in-sub-block pair sums
     prep_warps: int = 4
     state_warps: int = 8
     dot_precision: str = "tf32"      # "tf32", "tf32x3" or "ieee"
@@ -105,9 +104,10 @@ def chunk_config(N: int, HV: int, K: int, V: int, chunk: int = CHUNK_SIZE) -> Ch
             block_v = bv
             break
     block_v = min(block_v, bv_max, 32 if wide else 64)
-    sub_k = min(32, next_power_of_2(max(K, 16)))
-    return ChunkConfig(chunk=chunk, block_v=block_v, sub_k=sub_k,
-                       prep_warps=4 if chunk <= 32 else 8, state_warps=4)
+    # Two chunks in flight only for the narrowest V tile (wider ones exceed the shared memory);
+    # 4 warps there, 8 for the widest (docs/tuning.md).
+    return ChunkConfig(chunk=chunk, block_v=block_v, prep_warps=4, state_warps=8 if block_v >= 64 else 4,
+                       pipeline_stages=2 if block_v <= 16 else 1)
 
 
 @triton.jit
@@ -126,7 +126,7 @@ def _chunk_prep_kernel(
     stride_b_t, stride_b_h,
     scale, lower_bound,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, C: tl.constexpr, SUB_K: tl.constexpr, SLICE: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, C: tl.constexpr, SLICE: tl.constexpr,
     USE_QK_L2NORM: tl.constexpr, GATE_IN_KERNEL: tl.constexpr, SAFE_GATE: tl.constexpr,
     BETA_MODE: tl.constexpr, DOT_PRECISION: tl.constexpr, FACTOR_DIAG: tl.constexpr,
 ):
@@ -185,11 +185,10 @@ def _chunk_prep_kernel(
     tl.debug_barrier()
 
     # ---- A (β-scaled, strictly lower) and P (lower), one 16-row sub-block i at a time ----
-    # Pairs inside sub-block i: exact decays, element-wise, over K in SUB_K slices. Pairs
+    # Pairs inside sub-block i: exact decays, element-wise, a column at a time. Pairs
     # with sub-block j < i: factored at the boundary b before sub-block i (the last token of
     # sub-block i-1), e^(Γ_s - Γ_b) · e^(Γ_b - Γ_r), both <= 1: one 16 x 16 product a pair.
     offs_s = tl.arange(0, 16)
-    offs_j = tl.arange(0, SUB_K)
     causal = offs_s[:, None] >= offs_s[None, :]
     for i in range(NB):  # a loop, not unrolled: unrolled sub-blocks keep each other's tiles live
         rows = i * 16 + offs_s
@@ -203,19 +202,20 @@ def _chunk_prep_kernel(
         beta_i = tl.where(live_i, beta_i, 0.0)
         p_blk = rows[:, None] * C + offs_s[None, :]  # + j * 16: block (i, j) of the [C, C] workspaces
         if not FACTOR_DIAG:
-            acc_a = tl.zeros([16, 16], dtype=tl.float32)
-            acc_p = tl.zeros([16, 16], dtype=tl.float32)
-            for kk in range(0, BLOCK_K, SUB_K):
-                p_sk = rows[:, None] * BLOCK_K + kk + offs_j[None, :]
-                sk = tl.load(wk + p_sk)
-                sq = tl.load(wq + p_sk)
-                sg = tl.load(ww + p_sk)
-                e = tl.exp(tl.where(causal[:, :, None], sg[:, None, :] - sg[None, :, :], float("-inf")))
-                kr = sk[None, :, :] * e  # k̂_r e^(Γ_s - Γ_r), [16, 16, SUB_K]
-                acc_a += tl.sum(sk[:, None, :] * kr, axis=2)
-                acc_p += tl.sum(sq[:, None, :] * kr, axis=2)
-            tl.store(wa + p_blk + i * 16, tl.where(offs_s[:, None] > offs_s[None, :], acc_a * beta_i[:, None], 0.0))
-            tl.store(wp + p_blk + i * 16, acc_p)
+            # One column r of the block per step, all rows s at once: [16, K] tiles in one
+            # layout (a [16, 16, K] broadcast would move data through shared memory).
+            p_rk = rows[:, None] * BLOCK_K + offs_k[None, :]
+            k_i = tl.load(wk + p_rk)
+            q_i = tl.load(wq + p_rk)
+            G_i = tl.load(ww + p_rk)
+            for r in range(16):
+                k_r = tl.load(wk + (i * 16 + r) * BLOCK_K + offs_k)
+                G_r = tl.load(ww + (i * 16 + r) * BLOCK_K + offs_k)
+                kr = k_r[None, :] * tl.exp(tl.where((offs_s >= r)[:, None], G_i - G_r[None, :], float("-inf")))
+                a_col = tl.sum(k_i * kr, axis=1) * beta_i
+                p_col = tl.sum(q_i * kr, axis=1)
+                tl.store(wa + rows * C + i * 16 + r, tl.where(offs_s > r, a_col, 0.0))
+                tl.store(wp + rows * C + i * 16 + r, p_col)
         # Γ_b: the last token of sub-block i-1 (none before the chunk: Γ = 0 there)
         G_ref = tl.load(ww + (i * 16 - 1) * BLOCK_K + offs_k, mask=(offs_k * 0 + i) > 0, other=0.0)
         p_rk = rows[:, None] * BLOCK_K + offs_k[None, :]
@@ -473,7 +473,7 @@ def chunk_prefill_triton(q, k, v, g, beta, state, slot_indices, out, *, cu_seqle
          q.stride(1), q.stride(2), k.stride(1), k.stride(2), v.stride(1), v.stride(2), g.stride(1), g.stride(2),
          beta.stride(1), beta.stride(2),
          float(scale), float(lower_bound) if lower_bound is not None else 0.0),
-        dict(H=H, HV=HV, K=K, V=V, BLOCK_K=BK, BLOCK_V=BVW, C=C, SUB_K=min(cfg.sub_k, BK), SLICE=min(64, BK, BVW),
+        dict(H=H, HV=HV, K=K, V=V, BLOCK_K=BK, BLOCK_V=BVW, C=C, SLICE=min(64, BK, BVW),
              USE_QK_L2NORM=bool(use_qk_l2norm), GATE_IN_KERNEL=gate, SAFE_GATE=lower_bound is not None,
              BETA_MODE=int(beta_mode), DOT_PRECISION=cfg.dot_precision,
              FACTOR_DIAG=lower_bound is not None and cfg.factor_safe_gate),
