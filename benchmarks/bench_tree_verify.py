@@ -7,7 +7,8 @@ Tree verify (kdakit/ops/tree_verify.py) against the chain verify (mtp_verify, sn
 at the same node count, H = HV = 32, K = V = 128, bf16 activations, float32 states, safe
 gate: top-2 trees (two candidates a level, the first expanded), random trees (width <= 3),
 and a chain-shaped tree (the kernel's register path only, the same work as the chain
-verify). Also the ring mode of trees and its path commit (commit_tree_ring), and the
+verify). Also the ring mode of trees (past a few requests the chunk form of ring_verify.py,
+ancestor-masked) and its path commit (commit_tree_ring), and the
 snapshot commit of an accepted node. Every timed call is a CUDA graph over several
 independent layers (kdakit.bench.harness), HBM-resident; the device copy ceiling is
 measured in the same run. The checks run first and the timings only if all pass.
@@ -27,6 +28,7 @@ import harness  # noqa: E402
 
 import kdakit  # noqa: E402
 from kdakit import reference  # noqa: E402
+from kdakit.ops.mtp_verify import ring_form  # noqa: E402
 
 H = HV = 32
 K = V = 128
@@ -153,7 +155,8 @@ def path_tensors(parents, accepted):
 
 def correctness(results):
     """Against float64; chain-shaped tree == chain verify bitwise; ring mode == snapshot mode
-    bitwise; a ring path commit == the accepted node's snapshot bitwise."""
+    (bitwise from the recurrence, up to rounding from the chunk form); a ring path commit ==
+    the accepted node's snapshot bitwise."""
     for N, T, conv, norm, shape in ((1, 4, True, False, "top2"), (8, 8, True, True, "top2"),
                                     (33, 6, True, False, "random"), (64, 16, False, False, "random"),
                                     (16, 16, True, True, "top2")):
@@ -190,11 +193,17 @@ def correctness(results):
         s1, s2 = snap["state"].clone(), ring["state"].clone()
         kdakit.commit_snapshots(s1, snap["snapshots"], snap["slots"], snap["scratch_idx"], accepted)
         kdakit.commit_tree_ring(s2, *ring["rings"], ring["slots"], paths, lens)
+        # beyond a few requests ring mode's outputs come from the chunk form (mtp_verify.ring_form):
+        # the snapshot's up to rounding; bit for bit from the recurrence
+        chunked = ring_form(N, HV, T) == "chunked"
         same_out = torch.equal(snap["out"], ring["out"])
+        e_out = rel(ring["out"], snap["out"])
         same_state = torch.equal(s1, s2)
         results["checks"].append({"case": f"tree-ring-bitwise-snapshot-{shape}-N{N}-T{T}-conv{int(conv)}",
-                                  "ok": same_out and same_state, "outputs_equal": same_out,
-                                  "commit_equal": same_state, "pool_err": float((s1 - s2).abs().max())})
+                                  "ok": (e_out < 1e-2 if chunked else same_out) and same_state,
+                                  "form": "chunked" if chunked else "recurrent", "outputs_equal": same_out,
+                                  "out_err": e_out, "commit_equal": same_state,
+                                  "pool_err": float((s1 - s2).abs().max())})
 
 
 def add_row(results, name, t, moved, **extra):

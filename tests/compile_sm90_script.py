@@ -146,5 +146,16 @@ kdakit.tree_verify(tq, tk, tv, ta, tb, torch.rand(HT), torch.randn(HT * K), t_st
                    rings=t_rings, backend="triton", **t_conv)
 kdakit.commit_tree_ring(t_state, *t_rings, idx, torch.tensor([[0, 1, 3, -1], [0, 1, 2, 3]], dtype=torch.int32),
                         torch.tensor([3, 4], dtype=torch.int32), backend="triton")
+# Ring mode's chunk form of trees (the ancestor-masked steps kernel), at any batch: conv, norm
+# and the safe gate (pair sums factored); the default gate (pair by pair).
+chunk_form_above, mtp_verify_module.RING_CHUNK_FORM_ABOVE = mtp_verify_module.RING_CHUNK_FORM_ABOVE, 0
+n_before = len(COMPILED_FOR_TARGET)
+kdakit.tree_verify(tq, tk, tv, ta, tb, torch.rand(HT), torch.randn(HT * K), t_state, idx, scratch, t_parents,
+                   rings=t_rings, lower_bound=-5.0, norm_gate=rnd(N, TT, HT, V), norm_weight=torch.rand(V),
+                   backend="triton", **t_conv)
+kdakit.tree_verify(tq, tk, tv, ta, tb, torch.rand(HT), torch.randn(HT * K), t_state, idx, scratch, t_parents.long(),
+                   rings=t_rings, backend="triton")
+mtp_verify_module.RING_CHUNK_FORM_ABOVE = chunk_form_above
+assert "_tree_verify_kernel" not in COMPILED_FOR_TARGET[n_before:], COMPILED_FOR_TARGET[n_before:]
 print(" ".join(COMPILED_FOR_TARGET))
 sys.exit(0)

@@ -367,6 +367,74 @@ def test_ring_mode_equals_snapshot_mode_and_ring_commit_is_bitwise(backend, conv
         assert torch.equal(state[others], p["state"][others])
 
 
+TREE_CHUNK_CASES = [  # (conv, norm, lower_bound, act, HV, T, factored): the chunk form's pair sums both ways
+    pytest.param(True, False, -2.0, torch.bfloat16, 2, 6, True, id="conv-safegate-factored-bf16-HV2-T6"),
+    pytest.param(False, True, None, torch.float32, 1, 8, False, id="noconv-norm-defaultgate-f32-T8"),
+    pytest.param(True, True, -5.0, torch.float32, 2, 5, False, id="conv-norm-safegate-pairwise-f32-T5"),
+]
+
+
+@pytest.mark.parametrize("conv,norm,lower_bound,act,HV,T,factored", TREE_CHUNK_CASES)
+def test_ring_chunk_form_matches_reference_and_ring_commit_is_bitwise(conv, norm, lower_bound, act, HV, T, factored,
+                                                                       monkeypatch):
+    """Ring mode's chunk form (``mtp_verify.ring_form``: beyond a few requests; forced here):
+    outputs against the float64 reference and the recurrence; ring entries, windows and error
+    counts bit for bit the recurrence's; commit_tree_ring of every node's path equals the
+    snapshot-mode snapshot bit for bit; padding rows (a free slot, a slot and a scratch row
+    past their buffers) zero and unwritten; an invalid parent is the committed state."""
+    from kdakit.ops import mtp_verify as mtp_verify_module, ring_verify
+    monkeypatch.setattr(ring_verify, "FACTORED_PAIR_SUMS", None if factored else False)
+    assert ring_verify.factored_pair_sums(T, lower_bound) == factored
+    p, d = make_problem(83, N=5, T=T, HV=HV, act=act, conv=conv, norm=norm, K=16, V=24, slots=7, scratch=6)
+    p["slot_indices"][1] = -1
+    for name in ("q", "k", "v", "a", "b"):        # a free row's tokens may be anything
+        p[name][1] = float("nan")
+    p["slot_indices"][3] = 7                      # past the pool
+    if conv:
+        p["scratch_indices"][4] = 6               # past the scratch rows
+    p["parents"][2, T - 1] = T + 3                # invalid: the committed state
+    ref_out = call_tree(p, fresh_buffers(d, snap_dtype=F64), conv=conv, lower_bound=lower_bound, f64=True)
+    kdakit.take_errors()
+    snap_bufs = fresh_buffers(d)
+    call_tree(p, snap_bufs, conv=conv, lower_bound=lower_bound, backend="triton")
+    snap_errors = kdakit.take_errors()
+    results = {}
+    for form, above in (("recurrent", 1 << 30), ("chunked", 0)):
+        monkeypatch.setattr(mtp_verify_module, "RING_CHUNK_FORM_ABOVE", above)
+        bufs, rings = fresh_buffers(d), ring_buffers(d)
+        out = call_tree(p, dict(bufs, snapshots=None), conv=conv, lower_bound=lower_bound, backend="triton",
+                        rings=rings)
+        results[form] = out, bufs, rings, kdakit.take_errors()
+    out, bufs, rings, errs = results["chunked"]
+    rec_out, rec_bufs, rec_rings, rec_errs = results["recurrent"]
+    tol = 1e-5 if act == torch.float32 else 2e-2
+    live = (p["slot_indices"] >= 0) & (p["slot_indices"] < d["slots"]) & (p["scratch_indices"] < d["scratch"])
+    assert_close(out[live], ref_out[live], tol, "chunk form vs float64 reference")
+    assert_close(out, rec_out, 1e-5 if act == torch.float32 else 1e-2, "chunk form vs recurrence")
+    assert torch.equal(out[~live], torch.zeros_like(out[~live])), "padding rows' outputs are zero"
+    assert errs == rec_errs == snap_errors and errs.get("tree_verify", 0) >= 2, errs
+    for x, y in zip(rings, rec_rings):
+        assert torch.equal(x, y), "ring entries: the recurrence's bits"
+    if conv:
+        for x, y in zip(bufs["intermediate_conv"], rec_bufs["intermediate_conv"]):
+            assert torch.equal(x, y)
+    assert (bufs["snapshots"] == POISON).all(), "ring mode writes no snapshot"
+    effective = [[q if 0 <= q < t else -1 for t, q in enumerate(row)] for row in p["parents"].tolist()]
+    for node in range(T):
+        paths = torch.full((d["N"], T), -1, dtype=torch.int32)
+        lens = torch.zeros(d["N"], dtype=torch.int32)
+        for n in range(d["N"]):
+            path = path_to(effective[n], node)
+            paths[n, :len(path)] = torch.tensor(path)
+            lens[n] = len(path)
+        state = p["state"].clone()
+        kdakit.commit_tree_ring(state, *rings, torch.where(live, p["slot_indices"], -1), paths, lens,
+                                backend="triton")
+        for n in torch.nonzero(live).flatten().tolist():
+            slot, row = int(p["slot_indices"][n]), int(p["scratch_indices"][n])
+            assert torch.equal(state[slot], snap_bufs["snapshots"][row, node]), f"request {n} node {node}"
+
+
 def test_ring_commit_skips_rows_outside_their_buffers():
     p, d = make_problem(73, T=4, conv=False)
     rings = ring_buffers(d)

@@ -18,6 +18,15 @@ with ``x``, plus ``v^T M^T``; the v ring entries), a dependent launch of the fir
 default gate each ``e^(G_t - G_s)`` is taken pair by pair (``e^G_t · e^-G_s`` overflows for
 fast-decaying channels); under the safe gate with ``T |lower_bound| <= 80`` the pair sums factor
 as ``(k̂ e^G)(k̂ e^-G)^T`` (see ``FACTOR_BOUND``).
+
+Trees (``parents=``, the ring mode of ``tree_verify``): node ``t``'s state is the chain's along
+its root-to-node path, so the same formulas hold with ``G_t`` the sum of the log-decays on
+that path and the pairs ``(t, s)`` restricted to ``s`` on it (``s`` an ancestor of ``t``, or
+``t`` itself for ``B``). An ancestor's index is below its descendant's, so ``A`` stays
+strictly lower triangular and the forward substitution is unchanged; a path holds at most
+``T`` nodes, so the factoring bound holds as well; the state kernel does not see the tree.
+One read of the state serves every node, where the recurrence refolds each node off the
+chain from the committed state.
 """
 from __future__ import annotations
 
@@ -28,21 +37,46 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .. import errors
 from .launch import CachedKernel, cdiv, next_power_of_2
-from .triton_math import count_bad_row, kda_log_decay, mask_if, verify_request
+from .tree_conv import count_invalid_parents, load_tree_parents, tree_parent
+from .triton_math import count_bad_row, count_bad_rows, kda_log_decay, mask_if, verify_request
+
+
+# The most nodes a tree's chunk form takes: a node's path is a bit set of one 64-bit word
+# (``tree_path_bits``); larger trees run the recurrence.
+MAX_TREE_NODES = 64
+
+
+@triton.jit
+def tree_path_bits(par, T: tl.constexpr, BLOCK_T: tl.constexpr):
+    """[BLOCK_T] integers, bit ``s`` of entry ``t`` set where node ``s`` is ``t`` or an ancestor
+    of ``t`` (``par`` from ``load_tree_parents``; ``T <= MAX_TREE_NODES``; zero past T). A
+    node's set is its parent's plus itself, built root first. Each pair test is then a shift
+    of a small vector in registers, not a column reduced out of a [T, T] mask (which spilled
+    the steps kernel's registers several times over)."""
+    BITS: tl.constexpr = tl.int32 if BLOCK_T <= 32 else tl.int64  # half the registers where it fits
+    nodes = tl.arange(0, BLOCK_T)
+    bits = tl.zeros([BLOCK_T], dtype=BITS)
+    for t in tl.static_range(T):
+        above = tl.sum(tl.where(nodes == tree_parent(par, t, BLOCK_T), bits, 0), axis=0)  # 0 for p = -1
+        bits = tl.where(nodes == t, above | (tl.full([], 1, BITS) << t), bits)
+    return bits
 
 
 @triton.jit
 def _ring_verify_steps_kernel(
-    q, k, a, b, A_log, dt_bias, slot_indices, scratch_indices, x_rows, m_rows,
+    q, k, a, b, A_log, dt_bias, slot_indices, scratch_indices, parents, x_rows, m_rows,
     ring_k, ring_g, ring_beta, errors, s_rk_slot, s_rg_slot, s_rb_slot, ring_len,
     num_slots, num_rows, scale, lower_bound,
     T: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, SAFE_GATE: tl.constexpr, FACTORED: tl.constexpr,
+    TREE: tl.constexpr,
     WAIT_FOR_TOKENS: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr, CHECK_ROWS: tl.constexpr,
     ERR_INDEX: tl.constexpr,
 ):
     # One program per (request, value head): x and M (v enters in the state kernel). The k
-    # ring has one writer per key head: the group's first value head.
+    # ring has one writer per key head: the group's first value head. TREE: the pairs and
+    # decay sums follow each node's root-to-node path (``parents`` [N, T]); otherwise the
+    # steps form a chain (``parents`` is not read).
     i_hv, i_n = tl.program_id(0), tl.program_id(1)
     if LAUNCH_DEPENDENTS:  # the state kernel may start now
         gdc_launch_dependents()
@@ -54,7 +88,17 @@ def _ring_verify_steps_kernel(
     mask_tk = mask_t[:, None] & (offs_k < K)[None, :]
     # Padding rows, and indices past their buffers (as every kernel of the verify decides).
     slot, row, live = verify_request(slot_indices, scratch_indices, i_n, num_slots, num_rows, CHECK_ROWS)
-    count_bad_row(errors, (slot >= 0) & ~live & (i_hv == 0), ERR_INDEX)
+    if TREE:
+        # tree_verify's count, by value head 0: a claimed slot whose slot or row is outside
+        # its buffer, once; for a live request, each node whose parent is invalid.
+        if ERR_INDEX >= 0:
+            if i_hv == 0:
+                n_bad = ((slot >= 0) & ~live).to(tl.int32)
+                if live:
+                    n_bad = count_invalid_parents(parents + i_n.to(tl.int64) * T, T, BLOCK_T)
+                count_bad_rows(errors, n_bad, ERR_INDEX)
+    else:
+        count_bad_row(errors, (slot >= 0) & ~live & (i_hv == 0), ERR_INDEX)
     bias = tl.load(dt_bias + i_hv * K + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
     A_log_h = tl.load(A_log + i_hv).to(tl.float32)
     if WAIT_FOR_TOKENS:  # q and k come from the conv prologue launched just before
@@ -80,7 +124,19 @@ def _ring_verify_steps_kernel(
     k_raw = k_in.to(tl.float32)
     q_hat = q_raw * (scale / tl.sqrt(tl.sum(q_raw * q_raw, axis=1) + 1e-6))[:, None]
     k_hat = k_raw / tl.sqrt(tl.sum(k_raw * k_raw, axis=1) + 1e-6)[:, None]
-    G_cum = tl.cumsum(g, axis=0)
+    if TREE:
+        # on_path[t, s]: s is t or an ancestor of t (an invalid parent is the committed
+        # state, as load_tree_parents maps it); G_cum[t]: the log-decays summed along t's
+        # path, root first (its parent's sum plus its own).
+        par = load_tree_parents(parents + i_n.to(tl.int64) * T, T, BLOCK_T)
+        path_bits = tree_path_bits(par, T, BLOCK_T)
+        on_path = ((path_bits[:, None] >> offs_t[None, :].to(path_bits.dtype)) & 1) != 0
+        G_cum = g
+        for t in tl.static_range(1, T):  # the parent's row is final (p < t); none for p = -1
+            G_p = tl.sum(tl.where(offs_t[:, None] == tree_parent(par, t, BLOCK_T), G_cum, 0.0), axis=0)
+            G_cum = tl.where(offs_t[:, None] == t, G_cum + G_p[None, :], G_cum)
+    else:
+        G_cum = tl.cumsum(g, axis=0)
     # The pair sums one column s at a time, on [T, K] tiles (no [T, T, K] products): row s
     # of a tile is picked out exactly (one value plus zeros), within each thread's registers
     # as the program is one warp. exp(G_t - G_s) is taken pair by pair, zero where t < s, or,
@@ -97,19 +153,29 @@ def _ring_verify_steps_kernel(
             k_s = tl.sum(tl.where(offs_t[:, None] == s, k_ungated, 0.0), axis=0)
             A = tl.where(offs_t[None, :] == s, tl.sum(k_gated * k_s[None, :], axis=1)[:, None], A)
             B = tl.where(offs_t[None, :] == s, tl.sum(q_gated * k_s[None, :], axis=1)[:, None], B)
-        B = tl.where(offs_t[:, None] >= offs_t[None, :], B, 0.0)
+        if TREE:
+            B = tl.where(on_path, B, 0.0)
+        else:
+            B = tl.where(offs_t[:, None] >= offs_t[None, :], B, 0.0)
     else:
         for s in tl.static_range(T):
             row_s = offs_t[:, None] == s
             k_s = tl.sum(tl.where(row_s, k_hat, 0.0), axis=0)
             G_s = tl.sum(tl.where(row_s, G_cum, 0.0), axis=0)
-            k_decayed = k_s[None, :] * tl.exp(tl.where(offs_t[:, None] >= s, G_cum - G_s[None, :], float("-inf")))
+            if TREE:  # the rows t whose path holds s
+                pairs = ((path_bits >> s) & 1) != 0
+            else:
+                pairs = offs_t >= s
+            k_decayed = k_s[None, :] * tl.exp(tl.where(pairs[:, None], G_cum - G_s[None, :], float("-inf")))
             A = tl.where(offs_t[None, :] == s, tl.sum(k_hat * k_decayed, axis=1)[:, None], A)
             B = tl.where(offs_t[None, :] == s, tl.sum(q_hat * k_decayed, axis=1)[:, None], B)
         e_G = tl.exp(G_cum)
         k_gated = k_hat * e_G
         q_gated = q_hat * e_G
-    A = tl.where(offs_t[:, None] > offs_t[None, :], A, 0.0)
+    if TREE:
+        A = tl.where(on_path & (offs_t[:, None] != offs_t[None, :]), A, 0.0)
+    else:
+        A = tl.where(offs_t[:, None] > offs_t[None, :], A, 0.0)
 
     # (I + diag(β) A)^-1 by forward substitution: row t needs only rows s < t.
     beta_A = beta[:, None] * A
@@ -156,7 +222,8 @@ def _ring_verify_state_kernel(
         gdc_wait()
     mask_vt = mask_v[:, None] & mask_t[None, :]
     tok = i_n.to(tl.int64) * T + offs_t
-    vT = tl.load(v + (tok * HV + i_hv)[None, :] * V + offs_v[:, None], mask=mask_vt, other=0.0)
+    # not read for a padding row: its output is exactly zero whatever its v holds (0 * NaN is not)
+    vT = tl.load(v + (tok * HV + i_hv)[None, :] * V + offs_v[:, None], mask=mask_if(mask_vt, live), other=0.0)
     tl.store(ring_v + slot * s_rv_slot + i_hv * ring_len * V + offs_t[None, :] * V + offs_v[:, None],
              vT.to(ring_v.dtype.element_ty), mask=mask_if(mask_vt, live))
     M = tl.load(m_rows + (head * T + offs_t)[:, None] * T + offs_t[None, :],
@@ -207,24 +274,29 @@ def steps_warps(T: int) -> int:
 
 
 def ring_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, bounds, out, rings, *, scale,
-                lower_bound, wait_for_tokens: bool, launch_dependents: bool, pdl: bool):
+                lower_bound, wait_for_tokens: bool, launch_dependents: bool, pdl: bool, parents=None):
     """Outputs and ring entries of a ring-mode verify (post-conv q, k, v; inputs checked by the caller).
     ``bounds = (slots, scratch rows or -1)``: rows whose indices fall outside are padding (counted).
-    ``wait_for_tokens``: q, k, v come from a kernel launched just before (dependent launch)."""
+    ``wait_for_tokens``: q, k, v come from a kernel launched just before (dependent launch).
+    ``parents [N, T]``: the steps are tree nodes (``tree_verify``'s ring mode, which counts its
+    padding rows and invalid parents under its own name); None: a chain."""
     N, T, H, K = q.shape
     HV, V = v.shape[-2:]
     ring_k, ring_v, ring_g, ring_beta = rings
     x_rows = torch.empty(N, HV, T, K, dtype=torch.float32, device=q.device)
     m_rows = torch.empty(N, HV, T, T, dtype=torch.float32, device=q.device)
+    tree = parents is not None
+    assert not tree or T <= MAX_TREE_NODES, "a tree's chunk form takes at most MAX_TREE_NODES nodes"
     _ring_verify_steps(
         (HV, N),
-        (q, k, a, b, A_log, dt_bias, slot_indices, scratch_indices, x_rows, m_rows, ring_k, ring_g, ring_beta,
+        (q, k, a, b, A_log, dt_bias, slot_indices, scratch_indices, parents if tree else slot_indices, x_rows,
+         m_rows, ring_k, ring_g, ring_beta,
          errors.counters(q.device), ring_k.stride(0), ring_g.stride(0), ring_beta.stride(0), ring_k.shape[2],
          *bounds, float(scale), float(lower_bound) if lower_bound is not None else 0.0),
         dict(T=T, H=H, HV=HV, K=K, BLOCK_T=next_power_of_2(T), BLOCK_K=next_power_of_2(K),
-             SAFE_GATE=lower_bound is not None, FACTORED=factored_pair_sums(T, lower_bound),
+             SAFE_GATE=lower_bound is not None, FACTORED=factored_pair_sums(T, lower_bound), TREE=tree,
              WAIT_FOR_TOKENS=wait_for_tokens and pdl, LAUNCH_DEPENDENTS=pdl, CHECK_ROWS=bounds[1] >= 0,
-             ERR_INDEX=errors.INDEX["mtp_verify"]),
+             ERR_INDEX=errors.INDEX["tree_verify" if tree else "mtp_verify"]),
         num_warps=steps_warps(T), num_stages=1, launch_pdl=wait_for_tokens and pdl)
     block_v, num_warps = STATE_TILE
     block_v = max(16, min(block_v, next_power_of_2(V)))

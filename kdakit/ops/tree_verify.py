@@ -19,9 +19,14 @@ node ``p``'s snapshot (or of the committed state), after a barrier that makes it
 snapshot stores visible. The short conv runs first as its own kernel (``tree_conv.py``).
 
 Ring mode (``rings=``, no snapshots) stores node ``t``'s raw inputs at ring position ``t`` of
-the slot; a node whose parent is not the node before it refolds the parent's path from the
-committed tile and the inputs, so its outputs equal snapshot mode's bit for bit, and
-``commit_tree_ring`` (``tree_commit.py``) folds the accepted path into the slot.
+the slot, and ``commit_tree_ring`` (``tree_commit.py``) folds the accepted path into the slot.
+Its outputs come, as the chain verify's do (``mtp_verify.ring_form``), from the chunk form
+(``ring_verify.py`` with the pairs masked to each node's ancestors: one read of the state
+for all nodes) beyond a few requests and up to ``MAX_TREE_NODES`` nodes, the same numbers
+up to float32 rounding; otherwise from the recurrence here, where a node whose parent is
+not the node before it refolds the parent's path from the committed tile and the inputs,
+so its outputs equal snapshot mode's bit for bit. The ring entries are the same bits
+either way, and so is every commit.
 """
 from __future__ import annotations
 
@@ -34,7 +39,8 @@ from .. import contracts, errors, reference
 from ..backends import register, select
 from .gated_rmsnorm import gated_rmsnorm_after
 from .launch import CachedKernel, cdiv, next_power_of_2, pdl_available
-from .mtp_verify import _load_step, check_mtp_verify, recurrence_tile
+from .mtp_verify import _load_step, check_mtp_verify, recurrence_tile, ring_form
+from .ring_verify import MAX_TREE_NODES, ring_verify
 from .tree_conv import count_invalid_parents, load_tree_parents, tree_conv, tree_parent
 from .triton_math import count_bad_rows, delta_rule_update, l2_normalize
 
@@ -198,19 +204,26 @@ def tree_verify_triton(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scrat
                             scratch_indices, parents, num_rows=num_rows, launch_dependents=pdl)
     norm = norm_weight is not None
     raw_out = torch.empty(out.shape, dtype=torch.float32, device=out.device) if norm else out
-    block_v, num_warps = recurrence_tile(V, K)
-    _tree_verify(
-        (cdiv(V, block_v), HV, N),
-        (q, k, v, a, b, A_log, dt_bias, state, slot_indices, rows_in, parents, raw_out,
-         snapshots if not ring else dummy, ring_k, ring_v, ring_g, ring_beta, errors.counters(q.device),
-         state.stride(0), *((0, 0) if ring else (snapshots.stride(0), snapshots.stride(1))),
-         *((ring_k.stride(0), ring_v.stride(0), ring_g.stride(0), ring_beta.stride(0), ring_k.shape[2]) if ring
-           else (0,) * 5), state.shape[0], num_rows, float(scale),
-         float(lower_bound) if lower_bound is not None else 0.0),
-        dict(T=T, H=H, HV=HV, K=K, V=V, BLOCK_K=next_power_of_2(K), BLOCK_V=block_v,
-             BLOCK_T=next_power_of_2(T), SAFE_GATE=lower_bound is not None, RING=ring, WAIT_FOR_TOKENS=conv and pdl,
-             LAUNCH_DEPENDENTS=norm and pdl, ERR_INDEX=errors.INDEX["tree_verify"]),
-        num_warps=num_warps, num_stages=1, launch_pdl=conv and pdl)
+    if ring and T <= MAX_TREE_NODES and ring_form(N, HV, T) == "chunked":
+        # Every node's output from one read of the state (ring_verify.py, ancestor-masked),
+        # where the recurrence would refold each off-chain node's path tile by tile.
+        ring_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, rows_in, (state.shape[0], num_rows),
+                    raw_out, rings, scale=scale, lower_bound=lower_bound, wait_for_tokens=conv,
+                    launch_dependents=norm, pdl=pdl, parents=parents)
+    else:
+        block_v, num_warps = recurrence_tile(V, K)
+        _tree_verify(
+            (cdiv(V, block_v), HV, N),
+            (q, k, v, a, b, A_log, dt_bias, state, slot_indices, rows_in, parents, raw_out,
+             snapshots if not ring else dummy, ring_k, ring_v, ring_g, ring_beta, errors.counters(q.device),
+             state.stride(0), *((0, 0) if ring else (snapshots.stride(0), snapshots.stride(1))),
+             *((ring_k.stride(0), ring_v.stride(0), ring_g.stride(0), ring_beta.stride(0), ring_k.shape[2]) if ring
+               else (0,) * 5), state.shape[0], num_rows, float(scale),
+             float(lower_bound) if lower_bound is not None else 0.0),
+            dict(T=T, H=H, HV=HV, K=K, V=V, BLOCK_K=next_power_of_2(K), BLOCK_V=block_v,
+                 BLOCK_T=next_power_of_2(T), SAFE_GATE=lower_bound is not None, RING=ring, WAIT_FOR_TOKENS=conv and pdl,
+                 LAUNCH_DEPENDENTS=norm and pdl, ERR_INDEX=errors.INDEX["tree_verify"]),
+            num_warps=num_warps, num_stages=1, launch_pdl=conv and pdl)
     if norm:  # padding rows stay zero: their raw output is zero, and so is its norm
         gated_rmsnorm_after(raw_out, norm_gate, norm_weight, out, eps=norm_eps, wait_for_x=pdl)
     return out
