@@ -1,4 +1,4 @@
-"""Every public op through ``torch.library`` custom ops (kdakit/custom_ops.py):
+"""Every public op through ``torch.library`` custom ops (kdakit/ops/registry.py):
 ``torch.compile(fullgraph=True)`` gives eager's results, in-place pool writes and
 padding rows included; ``opcheck`` passes on each ``torch.ops.kdakit.*`` op; the
 shape contract still raises while compiling. CPU, reference backend (and the
@@ -11,7 +11,8 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import kdakit
-from kdakit import custom_ops
+from kdakit.ops.mtp_verify import mtp_verify_tensors
+from kdakit.ops.registry import OPS
 
 W = 4
 F32, BF16 = torch.float32, torch.bfloat16
@@ -343,10 +344,12 @@ def _opcheck_args(case):
     if case.startswith("gated_rmsnorm"):
         x, gate, weight = args
         groups = kdakit.contracts.check_gated_rmsnorm(x, gate, weight, kw["out"], eps=kw["eps"])
-        return "gated_rmsnorm", (x, gate, weight, kw["out"], kw["eps"], custom_ops.flatten_row_groups(groups), None)
+        (n_outer, n_inner, strides) = groups
+        flat_groups = [n_outer, n_inner] + [s for pair in strides for s in pair]
+        return "gated_rmsnorm", (x, gate, weight, kw["out"], kw["eps"], flat_groups, None)
     if case.startswith("mtp_verify"):
-        flat = custom_ops.mtp_verify_tensors(kw["conv_weights"], kw["conv_states"], kw["intermediate_conv"],
-                                             kw.get("conv_bias"), kw.get("snapshots"), kw.get("rings"))
+        flat = mtp_verify_tensors(kw["conv_weights"], kw["conv_states"], kw["intermediate_conv"], kw.get("conv_bias"),
+                                  kw.get("snapshots"), kw.get("rings"))
         return "mtp_verify", (*args, kw["out"], *flat, 8 ** -0.5, kw["lower_bound"], kw.get("norm_gate"),
                               kw.get("norm_weight"), 1e-6, None)
     if case.startswith("commit_snapshots"):
@@ -378,7 +381,7 @@ def test_every_public_op_is_registered():
               "mtp_verify", "commit_snapshots", "commit_ring", "recurrent_forward"}
     public |= {"tree_verify", "commit_tree_ring"}
     public |= {"chunk_prefill"}
-    assert set(custom_ops.OPS) == public
+    assert set(OPS) == public
     for name in public:
         schema = getattr(torch.ops.kdakit, name).default._schema
         assert len(schema.returns) == 0, f"{name} must return None (it writes caller-owned buffers)"

@@ -516,6 +516,23 @@ def run_chunk_prefill(q, k, v, g, beta, state, slot_indices, out, *, cu_seqlens,
                 chunk_state_indices=chunk_state_indices)
 
 
+from .registry import kdakit_op  # noqa: E402
+
+
+@kdakit_op("chunk_prefill", mutates=("state", "out", "chunk_states"))
+def chunk_prefill_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     state: torch.Tensor, slot_indices: torch.Tensor, out: torch.Tensor, cu_seqlens: torch.Tensor,
+                     scale: float | None, use_qk_l2norm: bool, A_log: torch.Tensor | None,
+                     dt_bias: torch.Tensor | None, lower_bound: float | None, beta_mode: int,
+                     has_initial_state: torch.Tensor | None, chunk_states: torch.Tensor | None,
+                     chunk_state_indices: torch.Tensor | None, backend: str | None) -> None:
+    """``beta_mode`` is one of ``BETA_*``."""
+    run_chunk_prefill(q, k, v, g, beta, state, slot_indices, out, cu_seqlens=cu_seqlens, scale=scale,
+                      use_qk_l2norm=use_qk_l2norm, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+                      beta_mode=beta_mode, has_initial_state=has_initial_state, chunk_states=chunk_states,
+                      chunk_state_indices=chunk_state_indices, backend=backend)
+
+
 def chunk_prefill(q, k, v, g, beta, state, slot_indices, *, cu_seqlens=None, A_log=None, dt_bias=None,
                   lower_bound=None, beta_is_logit=False, has_initial_state=None, use_qk_l2norm=True, scale=None,
                   chunk_states=None, chunk_state_indices=None, out=None, full_checks=None, backend=None):
@@ -543,13 +560,6 @@ def chunk_prefill(q, k, v, g, beta, state, slot_indices, *, cu_seqlens=None, A_l
                                   chunk_states=chunk_states, chunk_state_indices=chunk_state_indices,
                                   full_checks=full_checks)
     beta_mode = BETA_SIGMOID if beta_is_logit else BETA_AS_IS
-    if torch.compiler.is_compiling() or type(q) is not torch.Tensor:  # traced: kdakit/custom_ops.py
-        torch.ops.kdakit.chunk_prefill(q, k, v, g, beta, state, slot_indices, out, cu_seqlens,
-                                       None if scale is None else float(scale), bool(use_qk_l2norm), A_log, dt_bias,
-                                       None if lower_bound is None else float(lower_bound), beta_mode,
-                                       has_initial_state, chunk_states, chunk_state_indices, backend)
-        return out
-    return run_chunk_prefill(q, k, v, g, beta, state, slot_indices, out, cu_seqlens=cu_seqlens, scale=scale,
-                             use_qk_l2norm=use_qk_l2norm, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
-                             beta_mode=beta_mode, has_initial_state=has_initial_state, chunk_states=chunk_states,
-                             chunk_state_indices=chunk_state_indices, backend=backend)
+    chunk_prefill_op(q, k, v, g, beta, state, slot_indices, out, cu_seqlens, scale, use_qk_l2norm, A_log, dt_bias,
+                     lower_bound, beta_mode, has_initial_state, chunk_states, chunk_state_indices, backend)
+    return out

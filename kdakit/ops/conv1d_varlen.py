@@ -28,6 +28,7 @@ import triton.language as tl
 from .. import contracts, errors, reference
 from ..backends import register, select
 from .launch import CachedKernel, cdiv, next_power_of_2
+from .registry import kdakit_op
 from .triton_math import count_bad_row
 
 
@@ -215,6 +216,17 @@ def causal_conv1d_varlen_reference(x, conv_state, weight, cu_seqlens, slot_indic
                                           has_initial_state=has_initial_state, bias=bias, activation=activation)
 
 
+@kdakit_op("causal_conv1d_varlen", mutates=("conv_state", "out"))
+def causal_conv1d_varlen_op(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
+                            cu_seqlens: torch.Tensor, slot_indices: torch.Tensor, out: torch.Tensor,
+                            has_initial_state: torch.Tensor | None, bias: torch.Tensor | None, activation: bool,
+                            backend: str | None) -> None:
+    """``activation``: SiLU on (the public entry's ``"silu"``/``"swish"``) or off (``None``)."""
+    _, impl = select("causal_conv1d_varlen", x.device, backend)
+    impl(x, conv_state, weight, cu_seqlens, slot_indices, out, has_initial_state=has_initial_state, bias=bias,
+         activation=activation)
+
+
 def causal_conv1d_varlen(x, conv_state, weight, cu_seqlens, slot_indices, *, has_initial_state=None, bias=None,
                          activation="silu", out=None, backend=None, full_checks=None):
     """Short conv of the tokens of ``N`` sequences; the slots' windows are left after each one's last token.
@@ -231,11 +243,6 @@ def causal_conv1d_varlen(x, conv_state, weight, cu_seqlens, slot_indices, *, has
     contracts.check_causal_conv1d_varlen(x, conv_state, weight, cu_seqlens, slot_indices, out,
                                          has_initial_state=has_initial_state, bias=bias, activation=activation,
                                          full_checks=full_checks)
-    silu = activation is not None
-    if torch.compiler.is_compiling() or type(x) is not torch.Tensor:  # traced: kdakit/custom_ops.py
-        torch.ops.kdakit.causal_conv1d_varlen(x, conv_state, weight, cu_seqlens, slot_indices, out,
-                                              has_initial_state, bias, silu, backend)
-        return out
-    _, impl = select("causal_conv1d_varlen", x.device, backend)
-    return impl(x, conv_state, weight, cu_seqlens, slot_indices, out, has_initial_state=has_initial_state,
-                bias=bias, activation=silu)
+    causal_conv1d_varlen_op(x, conv_state, weight, cu_seqlens, slot_indices, out, has_initial_state, bias,
+                            activation is not None, backend)
+    return out

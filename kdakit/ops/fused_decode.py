@@ -23,6 +23,7 @@ from .gated_rmsnorm import gated_rmsnorm_after
 from .launch import CachedKernel, arrival_counters, cdiv, next_power_of_2, pdl_available
 from .packed_decode import _launch_config as packed_launch_config
 from .packed_decode import packed_decode_triton
+from .registry import kdakit_op
 from .triton_math import (conv_apply, conv_inputs, count_bad_row, delta_rule_update, gated_rmsnorm_rows,
                           kda_log_decay, l2_normalize, mask_if, shift_window, short_conv)
 
@@ -310,6 +311,17 @@ def fused_decode_reference(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, s
                                   norm_weight=norm_weight, norm_eps=norm_eps)
 
 
+@kdakit_op("fused_decode", mutates=("conv_state", "state", "out"))
+def fused_decode_op(qkv: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch.Tensor, a: torch.Tensor,
+                    b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor,
+                    slot_indices: torch.Tensor, out: torch.Tensor, conv_bias: torch.Tensor | None, scale: float,
+                    lower_bound: float | None, norm_gate: torch.Tensor | None, norm_weight: torch.Tensor | None,
+                    norm_eps: float, backend: str | None) -> None:
+    _, impl = select("fused_decode", qkv.device, backend)
+    impl(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, state, slot_indices, out, conv_bias=conv_bias,
+         scale=scale, lower_bound=lower_bound, norm_gate=norm_gate, norm_weight=norm_weight, norm_eps=norm_eps)
+
+
 def fused_decode(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, state, slot_indices, *, conv_bias=None,
                  scale=None, lower_bound=None, norm_gate=None, norm_weight=None, norm_eps=1e-6, out=None,
                  backend=None, full_checks=None):
@@ -330,12 +342,6 @@ def fused_decode(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, state, slot
                                  conv_bias=conv_bias, lower_bound=lower_bound, norm_gate=norm_gate,
                                  norm_weight=norm_weight, norm_eps=norm_eps, full_checks=full_checks)
     scale = state.shape[-1] ** -0.5 if scale is None else scale
-    if torch.compiler.is_compiling() or type(qkv) is not torch.Tensor:  # traced: kdakit/custom_ops.py
-        torch.ops.kdakit.fused_decode(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, state, slot_indices, out,
-                                      conv_bias, float(scale), None if lower_bound is None else float(lower_bound),
-                                      norm_gate, norm_weight, float(norm_eps), backend)
-        return out
-    _, impl = select("fused_decode", qkv.device, backend)
-    return impl(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, state, slot_indices, out, conv_bias=conv_bias,
-                scale=scale, lower_bound=lower_bound, norm_gate=norm_gate, norm_weight=norm_weight,
-                norm_eps=norm_eps)
+    fused_decode_op(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, state, slot_indices, out, conv_bias, scale,
+                    lower_bound, norm_gate, norm_weight, norm_eps, backend)
+    return out

@@ -14,6 +14,7 @@ from triton.language.extra.cuda import gdc_wait
 from .. import contracts, reference
 from ..backends import register, select
 from .launch import CachedKernel, cdiv, next_power_of_2
+from .registry import kdakit_op
 from .triton_math import gated_rmsnorm_tile
 
 
@@ -88,6 +89,26 @@ def gated_rmsnorm_reference(x, gate, weight, out, *, eps, groups):
     return reference.gated_rmsnorm_op(x, gate, weight, out, eps=eps)
 
 
+def run_gated_rmsnorm(x, gate, weight, out, eps, groups, backend):
+    """Dispatch after validation; ``groups`` as ``contracts.row_groups`` gives them."""
+    _, impl = select("gated_rmsnorm", x.device, backend)
+    impl(x, gate, weight, out, eps=eps, groups=groups)
+
+
+def _schema_args(x, gate, weight, out, eps, groups, backend):
+    """The custom op's arguments: ``groups`` as a flat int list."""
+    (n_outer, n_inner, ((sxo, sxi), (sgo, sgi), (soo, soi))) = groups
+    return x, gate, weight, out, eps, [n_outer, n_inner, sxo, sxi, sgo, sgi, soo, soi], backend
+
+
+@kdakit_op("gated_rmsnorm", mutates=("out",), dispatch=run_gated_rmsnorm, flatten=_schema_args)
+def gated_rmsnorm_op(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps: float,
+                     groups: list[int], backend: str | None) -> None:
+    """``groups`` is ``contracts.row_groups`` flattened: ``[n_outer, n_inner, sxo, sxi, sgo, sgi, soo, soi]``."""
+    n_outer, n_inner, sxo, sxi, sgo, sgi, soo, soi = groups
+    run_gated_rmsnorm(x, gate, weight, out, eps, (n_outer, n_inner, ((sxo, sxi), (sgo, sgi), (soo, soi))), backend)
+
+
 def gated_rmsnorm(x, gate, weight, *, eps=1e-6, out=None, backend=None, full_checks=None):
     """Gated RMSNorm of each row of ``x [..., V]`` with ``gate [..., V]`` and ``weight [V]`` float32.
 
@@ -96,10 +117,5 @@ def gated_rmsnorm(x, gate, weight, *, eps=1e-6, out=None, backend=None, full_che
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     groups = contracts.check_gated_rmsnorm(x, gate, weight, out, eps=eps, full_checks=full_checks)
-    if torch.compiler.is_compiling() or type(x) is not torch.Tensor:  # traced: kdakit/custom_ops.py
-        (n_outer, n_inner, ((sxo, sxi), (sgo, sgi), (soo, soi))) = groups
-        torch.ops.kdakit.gated_rmsnorm(x, gate, weight, out, float(eps),
-                                       [n_outer, n_inner, sxo, sxi, sgo, sgi, soo, soi], backend)
-        return out
-    _, impl = select("gated_rmsnorm", x.device, backend)
-    return impl(x, gate, weight, out, eps=eps, groups=groups)
+    gated_rmsnorm_op(x, gate, weight, out, eps, groups, backend)
+    return out

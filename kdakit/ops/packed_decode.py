@@ -15,6 +15,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from .. import contracts, errors, reference
 from ..backends import forced_backend, register, select
 from .launch import CachedKernel, cdiv, next_power_of_2
+from .registry import kdakit_op
 from .triton_math import count_bad_row, delta_rule_update, kda_log_decay, l2_normalize, mask_if
 
 
@@ -142,6 +143,15 @@ def packed_decode_reference(mixed_qkv, a, b, A_log, dt_bias, state, slot_indices
                                    scale=scale, use_qk_l2norm=use_qk_l2norm, lower_bound=lower_bound)
 
 
+@kdakit_op("packed_decode", mutates=("state", "out"))
+def packed_decode_op(mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
+                     dt_bias: torch.Tensor, state: torch.Tensor, slot_indices: torch.Tensor, out: torch.Tensor,
+                     scale: float, use_qk_l2norm: bool, lower_bound: float | None, backend: str | None) -> None:
+    _, impl = select("packed_decode", mixed_qkv.device, backend)
+    impl(mixed_qkv, a, b, A_log, dt_bias, state, slot_indices, out,
+         scale=scale, use_qk_l2norm=use_qk_l2norm, lower_bound=lower_bound)
+
+
 def packed_decode(mixed_qkv, a, b, A_log, dt_bias, state, slot_indices, out=None, *,
                   scale=None, use_qk_l2norm=True, lower_bound=None, backend=None, full_checks=None):
     """One-token KDA decode for ``B`` requests over ``state [slots, HV, V, K]``.
@@ -156,14 +166,9 @@ def packed_decode(mixed_qkv, a, b, A_log, dt_bias, state, slot_indices, out=None
     contracts.check_packed_decode(mixed_qkv, a, b, A_log, dt_bias, state, out, slot_indices, lower_bound=lower_bound,
                                   helion=(backend or forced_backend()) == "helion", full_checks=full_checks)
     scale = state.shape[-1] ** -0.5 if scale is None else scale
-    if torch.compiler.is_compiling() or type(mixed_qkv) is not torch.Tensor:  # traced: kdakit/custom_ops.py
-        torch.ops.kdakit.packed_decode(mixed_qkv, a, b, A_log, dt_bias, state, slot_indices, out, float(scale),
-                                       bool(use_qk_l2norm), None if lower_bound is None else float(lower_bound),
-                                       backend)
-        return out
-    _, impl = select("packed_decode", mixed_qkv.device, backend)
-    return impl(mixed_qkv, a, b, A_log, dt_bias, state, slot_indices, out,
-                scale=scale, use_qk_l2norm=use_qk_l2norm, lower_bound=lower_bound)
+    packed_decode_op(mixed_qkv, a, b, A_log, dt_bias, state, slot_indices, out, scale, use_qk_l2norm, lower_bound,
+                     backend)
+    return out
 
 
 # Registers the helion backend; helion itself is imported only when that backend runs.

@@ -256,6 +256,47 @@ def check_tree_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratc
                            f"{n}: a node's parent must be -1 (the committed state) or an earlier node (0 <= p < t).")
 
 
+from .mtp_verify import mtp_verify_tensors, optional_tuple  # noqa: E402
+from .registry import kdakit_op  # noqa: E402
+
+
+def run_tree_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, parents, out, conv_weights,
+                    conv_states, intermediate_conv, conv_bias, snapshots, rings, scale, lower_bound, norm_gate,
+                    norm_weight, norm_eps, backend):
+    """Dispatch after validation, the tuples as the public entry takes them."""
+    _, impl = select("tree_verify", q.device, backend)
+    impl(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, parents, out,
+         conv_weights=conv_weights, conv_states=conv_states, intermediate_conv=intermediate_conv,
+         conv_bias=conv_bias, snapshots=snapshots, rings=rings, scale=scale, lower_bound=lower_bound,
+         norm_gate=norm_gate, norm_weight=norm_weight, norm_eps=norm_eps)
+
+
+def _schema_args(*args):
+    """The custom op's arguments: ``mtp_verify_tensors`` of the six tuple-or-None arguments."""
+    return (*args[:12], *mtp_verify_tensors(*args[12:18]), *args[18:])
+
+
+@kdakit_op("tree_verify", mutates=("out", "ic_q", "ic_k", "ic_v", "snapshots", "ring_k", "ring_v", "ring_g",
+                                   "ring_beta"), dispatch=run_tree_verify, flatten=_schema_args)
+def tree_verify_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                   A_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor, slot_indices: torch.Tensor,
+                   scratch_indices: torch.Tensor, parents: torch.Tensor, out: torch.Tensor,
+                   w_q: torch.Tensor | None, w_k: torch.Tensor | None, w_v: torch.Tensor | None,
+                   cs_q: torch.Tensor | None, cs_k: torch.Tensor | None, cs_v: torch.Tensor | None,
+                   ic_q: torch.Tensor | None, ic_k: torch.Tensor | None, ic_v: torch.Tensor | None,
+                   bias_q: torch.Tensor | None, bias_k: torch.Tensor | None, bias_v: torch.Tensor | None,
+                   snapshots: torch.Tensor | None, ring_k: torch.Tensor | None, ring_v: torch.Tensor | None,
+                   ring_g: torch.Tensor | None, ring_beta: torch.Tensor | None, scale: float,
+                   lower_bound: float | None, norm_gate: torch.Tensor | None, norm_weight: torch.Tensor | None,
+                   norm_eps: float, backend: str | None) -> None:
+    """The tensors as ``mtp_verify``'s (``mtp_verify_tensors``), then the same scalars."""
+    run_tree_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, parents, out,
+                    optional_tuple(w_q, w_k, w_v), optional_tuple(cs_q, cs_k, cs_v), optional_tuple(ic_q, ic_k, ic_v),
+                    optional_tuple(bias_q, bias_k, bias_v), snapshots,
+                    optional_tuple(ring_k, ring_v, ring_g, ring_beta), scale, lower_bound, norm_gate, norm_weight,
+                    norm_eps, backend)
+
+
 def tree_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, parents, out=None, *,
                 conv_weights=None, conv_states=None, intermediate_conv=None, conv_bias=None, snapshots=None,
                 norm_gate=None, norm_weight=None, norm_eps=1e-6, scale=None, lower_bound=None, full_checks=None,
@@ -280,16 +321,7 @@ def tree_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indi
                       conv_bias=conv_bias, snapshots=snapshots, lower_bound=lower_bound, norm_gate=norm_gate,
                       norm_weight=norm_weight, rings=rings, full_checks=full_checks)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    if torch.compiler.is_compiling() or type(q) is not torch.Tensor:  # traced: kdakit/custom_ops.py
-        from ..custom_ops import mtp_verify_tensors
-        torch.ops.kdakit.tree_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, parents,
-                                     out, *mtp_verify_tensors(conv_weights, conv_states, intermediate_conv, conv_bias,
-                                                              snapshots, rings),
-                                     float(scale), None if lower_bound is None else float(lower_bound), norm_gate,
-                                     norm_weight, float(norm_eps), backend)
-        return out
-    _, impl = select("tree_verify", q.device, backend)
-    return impl(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, parents, out,
-                conv_weights=conv_weights, conv_states=conv_states, intermediate_conv=intermediate_conv,
-                conv_bias=conv_bias, snapshots=snapshots, rings=rings, scale=scale, lower_bound=lower_bound,
-                norm_gate=norm_gate, norm_weight=norm_weight, norm_eps=norm_eps)
+    tree_verify_op(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, parents, out, conv_weights,
+                   conv_states, intermediate_conv, conv_bias, snapshots, rings, scale, lower_bound, norm_gate,
+                   norm_weight, norm_eps, backend)
+    return out
