@@ -516,7 +516,7 @@ def run_chunk_prefill(q, k, v, g, beta, state, slot_indices, out, *, cu_seqlens,
                 chunk_state_indices=chunk_state_indices)
 
 
-from .registry import kdakit_op  # noqa: E402
+from .registry import example_index, example_rand, example_randn, example_rng, kdakit_op  # noqa: E402
 
 
 @kdakit_op("chunk_prefill", mutates=("state", "out", "chunk_states"))
@@ -563,3 +563,21 @@ def chunk_prefill(q, k, v, g, beta, state, slot_indices, *, cu_seqlens=None, A_l
     chunk_prefill_op(q, k, v, g, beta, state, slot_indices, out, cu_seqlens, scale, use_qk_l2norm, A_log, dt_bias,
                      lower_bound, beta_mode, has_initial_state, chunk_states, chunk_state_indices, backend)
     return out
+
+
+@chunk_prefill_op.register_example
+def _example(seed, device="cpu"):
+    """Sequences of 3 tokens, of 17 (past a 16-token sub-block; from a zero state), and an empty padding row."""
+    g = example_rng(seed)
+    H, HV, K, V, slots = 1, 2, 16, 16, 5
+    cu = (0, 3, 20, 20)
+    T = cu[-1]
+    args = (example_randn(g, 1, T, H, K, device=device), example_randn(g, 1, T, H, K, device=device),
+            example_randn(g, 1, T, HV, V, device=device), example_randn(g, 1, T, HV, K, device=device),
+            example_randn(g, 1, T, HV, device=device), example_randn(g, slots, HV, V, K, scale=0.5, device=device),
+            example_index(3, 0, -1, device=device))
+    kw = dict(cu_seqlens=example_index(*cu, device=device), A_log=example_rand(g, HV, device=device),
+              dt_bias=example_randn(g, HV * K, scale=0.5, device=device), lower_bound=-3.0, beta_is_logit=True,
+              has_initial_state=torch.tensor([True, False, True], device=device),
+              out=torch.full((1, T, HV, V), 7.0, device=device))
+    return chunk_prefill, args, kw

@@ -16,7 +16,7 @@ from .. import contracts, errors, reference
 from ..backends import register, select
 from .launch import CachedKernel, cdiv, next_power_of_2
 from .mtp_verify import recurrence_tile
-from .registry import kdakit_op
+from .registry import example_index, example_pool, example_rand, example_randn, example_rng, kdakit_op
 from .triton_math import count_bad_row, delta_rule_update, l2_normalize, mask_if
 
 
@@ -285,6 +285,23 @@ def commit_ring(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, accept_l
                    use_qk_l2norm, null_block_id, backend)
 
 
+@commit_ring_op.register_example
+def _commit_ring_example(seed, device="cpu", *, track=True):
+    g = example_rng(seed)
+    H, HV, K, V, slots, L = 1, 2, 8, 16, 6, 4
+    bf16 = torch.bfloat16
+    args = (example_randn(g, slots, HV, V, K, scale=0.5, device=device),
+            example_randn(g, slots, H, L, K, dtype=bf16, device=device),
+            example_randn(g, slots, HV, L, V, dtype=bf16, device=device), -example_rand(g, slots, HV, L, K, device=device),
+            example_rand(g, slots, HV, L, device=device), example_index(4, -1, 1, 2, device=device),
+            example_index(3, 2, 1, 0, device=device))
+    kw = dict(null_block_id=-1)
+    if track:
+        kw.update(track_slots=example_index(5, 0, 3, 0, device=device),
+                  track_steps=example_index(1, 0, 0, 0, device=device))
+    return commit_ring, args, kw
+
+
 # ----------------------------------------------------------------------------
 # Snapshot commit
 # ----------------------------------------------------------------------------
@@ -400,3 +417,26 @@ def commit_snapshots(state, snapshots, slot_indices, scratch_indices, accepted_s
         contracts.check_rows_in_range("scratch_indices", scratch_indices[committed], num_rows, "row")
     commit_snapshots_op(state, snapshots, slot_indices, scratch_indices, accepted_steps, conv_states,
                         intermediate_conv, backend)
+
+
+@commit_snapshots_op.register_example
+def _commit_snapshots_example(seed, device="cpu", *, merged_conv_only=False):
+    """``merged_conv_only``: one merged q|k|v conv pool and no state snapshot (after a ring commit)."""
+    g = example_rng(seed)
+    HV, K, V, W, slots, scratch, L = 2, 8, 16, 4, 5, 3, 4
+    bf16 = torch.bfloat16
+    channels = (8, 8, 32)
+    rows = (example_index(4, -1, 1, device=device), example_index(0, 2, 1, device=device),
+            example_index(2, 1, -1, device=device))
+    if merged_conv_only:
+        C = sum(channels)
+        args = (example_randn(g, slots, HV, V, K, device=device), None, *rows)
+        kw = dict(conv_states=(example_randn(g, slots, C, W - 1, dtype=bf16, device=device),),
+                  intermediate_conv=(example_randn(g, scratch, L, C, W - 1, dtype=bf16, device=device),))
+    else:
+        args = (example_pool(g, slots, HV, V, K, device=device), example_randn(g, scratch, L, HV, V, K, device=device),
+                *rows)
+        kw = dict(conv_states=tuple(example_randn(g, slots, c, W - 1, dtype=bf16, device=device) for c in channels),
+                  intermediate_conv=tuple(example_randn(g, scratch, L, c, W - 1, dtype=bf16, device=device)
+                                          for c in channels))
+    return commit_snapshots, args, kw

@@ -17,7 +17,7 @@ from triton.language.extra.cuda import gdc_launch_dependents
 from .. import contracts, errors, reference
 from ..backends import register, select
 from .launch import CachedKernel, cdiv, next_power_of_2
-from .registry import kdakit_op
+from .registry import example_index, example_randn, example_rng, kdakit_op
 from .triton_math import count_bad_row, short_conv_update
 
 
@@ -106,3 +106,17 @@ def causal_conv1d_update(x, conv_state, weight, slot_indices, *, bias=None, out=
                                          full_checks=full_checks)
     causal_conv1d_update_op(x, conv_state, weight, slot_indices, out, bias, backend)
     return out
+
+
+@causal_conv1d_update_op.register_example
+def _example(seed, device="cpu", *, out=True):
+    g = example_rng(seed)
+    B, C, W, slots = 3, 24, 4, 4
+    bf16 = torch.bfloat16
+    args = (example_randn(g, B, C, dtype=bf16, device=device),
+            example_randn(g, slots, C, W - 1, dtype=bf16, device=device),
+            example_randn(g, C, W, scale=0.5, device=device), example_index(2, -1, 0, dtype=torch.int64, device=device))
+    kw = dict(bias=example_randn(g, C, scale=0.1, device=device))
+    if out:
+        kw["out"] = torch.full((B, C), 7.0, dtype=bf16, device=device)
+    return causal_conv1d_update, args, kw

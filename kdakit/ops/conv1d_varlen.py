@@ -28,7 +28,7 @@ import triton.language as tl
 from .. import contracts, errors, reference
 from ..backends import register, select
 from .launch import CachedKernel, cdiv, next_power_of_2
-from .registry import kdakit_op
+from .registry import example_index, example_randn, example_rng, kdakit_op
 from .triton_math import count_bad_row
 
 
@@ -246,3 +246,20 @@ def causal_conv1d_varlen(x, conv_state, weight, cu_seqlens, slot_indices, *, has
     causal_conv1d_varlen_op(x, conv_state, weight, cu_seqlens, slot_indices, out, has_initial_state, bias,
                             activation is not None, backend)
     return out
+
+
+@causal_conv1d_varlen_op.register_example
+def _example(seed, device="cpu", *, out=True):
+    g = example_rng(seed)
+    T, C, W, slots = 9, 24, 4, 5
+    bf16 = torch.bfloat16
+    # x as the transposed [C, T] view engines hold, the pool as sglang's [slots, W-1, C] transposed
+    args = (example_randn(g, C, T, dtype=bf16, device=device).t(),
+            example_randn(g, slots, W - 1, C, dtype=bf16, device=device).transpose(1, 2),
+            example_randn(g, C, W, scale=0.5, device=device), example_index(0, 4, 5, 9, device=device),
+            example_index(3, -1, 0, dtype=torch.int64, device=device))
+    kw = dict(has_initial_state=torch.tensor([True, True, False], device=device),
+              bias=example_randn(g, C, scale=0.1, device=device))
+    if out:
+        kw["out"] = torch.full((T, C), 7.0, dtype=bf16, device=device)
+    return causal_conv1d_varlen, args, kw

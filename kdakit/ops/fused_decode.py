@@ -23,7 +23,7 @@ from .gated_rmsnorm import gated_rmsnorm_after
 from .launch import CachedKernel, arrival_counters, cdiv, next_power_of_2, pdl_available
 from .packed_decode import _launch_config as packed_launch_config
 from .packed_decode import packed_decode_triton
-from .registry import kdakit_op
+from .registry import example_index, example_rand, example_randn, example_rng, kdakit_op
 from .triton_math import (conv_apply, conv_inputs, count_bad_row, delta_rule_update, gated_rmsnorm_rows,
                           kda_log_decay, l2_normalize, mask_if, shift_window, short_conv)
 
@@ -345,3 +345,22 @@ def fused_decode(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, state, slot
     fused_decode_op(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, state, slot_indices, out, conv_bias, scale,
                     lower_bound, norm_gate, norm_weight, norm_eps, backend)
     return out
+
+
+@fused_decode_op.register_example
+def _example(seed, device="cpu", *, out=True):
+    g = example_rng(seed)
+    B, H, HV, K, V, W, slots = 3, 1, 2, 8, 16, 4, 5
+    C = 2 * H * K + HV * V
+    bf16 = torch.bfloat16
+    args = (example_randn(g, B, C, dtype=bf16, device=device), example_randn(g, C, W, scale=0.5, device=device),
+            example_randn(g, slots, C, W - 1, dtype=bf16, device=device),
+            example_randn(g, B, HV * K, dtype=bf16, device=device), example_randn(g, B, HV, dtype=bf16, device=device),
+            example_rand(g, HV, device=device), example_randn(g, HV * K, scale=0.5, device=device),
+            example_randn(g, slots, HV, V, K, scale=0.5, device=device), example_index(-1, 4, 1, device=device))
+    kw = dict(conv_bias=example_randn(g, C, scale=0.1, device=device),
+              norm_gate=example_randn(g, B, HV * V, dtype=bf16, device=device),
+              norm_weight=example_rand(g, V, device=device) + 0.5)
+    if out:
+        kw["out"] = torch.full((B, 1, HV, V), 7.0, dtype=bf16, device=device)
+    return fused_decode, args, kw

@@ -14,7 +14,7 @@ from triton.language.extra.cuda import gdc_wait
 from .. import contracts, reference
 from ..backends import register, select
 from .launch import CachedKernel, cdiv, next_power_of_2
-from .registry import kdakit_op
+from .registry import example_rand, example_randn, example_rng, kdakit_op
 from .triton_math import gated_rmsnorm_tile
 
 
@@ -119,3 +119,17 @@ def gated_rmsnorm(x, gate, weight, *, eps=1e-6, out=None, backend=None, full_che
     groups = contracts.check_gated_rmsnorm(x, gate, weight, out, eps=eps, full_checks=full_checks)
     gated_rmsnorm_op(x, gate, weight, out, eps, groups, backend)
     return out
+
+
+@gated_rmsnorm_op.register_example
+def _example(seed, device="cpu", *, out=True):
+    g = example_rng(seed)
+    B, HV, V = 3, 2, 16
+    bf16 = torch.bfloat16
+    wide = example_randn(g, B, HV * V + 8, dtype=bf16, device=device)  # gate sliced from a wider projection
+    args = (example_randn(g, B, 1, HV, V, dtype=bf16, device=device), wide[:, :HV * V].view(B, 1, HV, V),
+            example_rand(g, V, device=device) + 0.5)
+    kw = dict(eps=1e-5)
+    if out:
+        kw["out"] = torch.full((B, 1, HV, V), 7.0, dtype=bf16, device=device)
+    return gated_rmsnorm, args, kw

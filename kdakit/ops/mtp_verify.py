@@ -26,7 +26,7 @@ from .. import contracts, errors, reference
 from ..backends import register, select
 from .gated_rmsnorm import gated_rmsnorm_after
 from .launch import CachedKernel, cdiv, next_power_of_2, pdl_available
-from .registry import kdakit_op
+from .registry import example_index, example_rand, example_randn, example_rng, kdakit_op
 from .ring_verify import ring_verify
 from .triton_math import count_bad_row, delta_rule_update, kda_log_decay, l2_normalize, mask_if, verify_request
 from .verify_conv import verify_conv
@@ -395,3 +395,39 @@ def mtp_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indic
                   intermediate_conv, conv_bias, snapshots, rings, scale, lower_bound, norm_gate, norm_weight, norm_eps,
                   backend)
     return out
+
+
+@mtp_verify_op.register_example
+def _example(seed, device="cpu", *, mode="snapshot", out=True):
+    """``mode``: ``"snapshot"`` (conv bias too) or ``"ring"`` (the output norm too)."""
+    g = example_rng(seed)
+    N, T, H, HV, K, V, W, slots, scratch = 3, 3, 1, 2, 8, 16, 4, 5, 3
+    bf16 = torch.bfloat16
+    channels = (H * K, H * K, HV * V)
+    args = (example_randn(g, N, T, H, K, dtype=bf16, device=device),
+            example_randn(g, N, T, H, K, dtype=bf16, device=device),
+            example_randn(g, N, T, HV, V, dtype=bf16, device=device),
+            example_randn(g, N, T, HV, K, dtype=bf16, device=device),
+            example_randn(g, N, T, HV, dtype=bf16, device=device), example_rand(g, HV, device=device),
+            example_randn(g, HV * K, scale=0.5, device=device),
+            example_randn(g, slots, HV, V, K, scale=0.5, device=device), example_index(4, -1, 1, device=device),
+            example_index(0, 2, 1, device=device))
+    kw = dict(conv_weights=tuple(example_randn(g, c, W, scale=0.5, device=device) for c in channels),
+              conv_states=tuple(example_randn(g, slots, c, W - 1, dtype=bf16, device=device) for c in channels),
+              intermediate_conv=tuple(torch.full((scratch, T + 1, c, W - 1), 7.0, dtype=bf16, device=device)
+                                      for c in channels),
+              lower_bound=-5.0)
+    if mode == "snapshot":
+        kw["snapshots"] = torch.full((scratch, T + 1, HV, V, K), 7.0, device=device)
+        kw.update(conv_bias=tuple(example_randn(g, c, scale=0.1, device=device) for c in channels))
+    else:
+        L = T + 1
+        kw["rings"] = (torch.full((slots, H, L, K), 7.0, dtype=bf16, device=device),
+                       torch.full((slots, HV, L, V), 7.0, dtype=bf16, device=device),
+                       torch.full((slots, HV, L, K), 7.0, device=device),
+                       torch.full((slots, HV, L), 7.0, device=device))
+        kw.update(norm_gate=example_randn(g, N, T, HV, V, dtype=bf16, device=device),
+                  norm_weight=example_rand(g, V, device=device) + 0.5)
+    if out:
+        kw["out"] = torch.full((N, T, HV, V), 7.0, dtype=bf16, device=device)
+    return mtp_verify, args, kw

@@ -15,7 +15,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from .. import contracts, errors, reference
 from ..backends import forced_backend, register, select
 from .launch import CachedKernel, cdiv, next_power_of_2
-from .registry import kdakit_op
+from .registry import example_index, example_pool, example_rand, example_randn, example_rng, kdakit_op
 from .triton_math import count_bad_row, delta_rule_update, kda_log_decay, l2_normalize, mask_if
 
 
@@ -169,6 +169,20 @@ def packed_decode(mixed_qkv, a, b, A_log, dt_bias, state, slot_indices, out=None
     packed_decode_op(mixed_qkv, a, b, A_log, dt_bias, state, slot_indices, out, scale, use_qk_l2norm, lower_bound,
                      backend)
     return out
+
+
+@packed_decode_op.register_example
+def _example(seed, device="cpu", *, act=torch.bfloat16, out=True):
+    g = example_rng(seed)
+    B, H, HV, K, V, slots = 3, 1, 2, 8, 16, 5
+    args = (example_randn(g, B, 2 * H * K + HV * V, dtype=act, device=device),
+            example_randn(g, B, HV * K, dtype=act, device=device), example_randn(g, B, HV, dtype=act, device=device),
+            example_rand(g, HV, device=device), example_randn(g, HV * K, scale=0.5, device=device),
+            example_pool(g, slots, HV, V, K, device=device), example_index(3, -1, 0, device=device))
+    kw = dict(lower_bound=-2.0)
+    if out:
+        kw["out"] = torch.full((B, 1, HV, V), 7.0, dtype=act, device=device)
+    return packed_decode, args, kw
 
 
 # Registers the helion backend; helion itself is imported only when that backend runs.

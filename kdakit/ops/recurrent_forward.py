@@ -28,7 +28,7 @@ import triton.language as tl
 from .. import contracts, errors, reference
 from ..backends import register, select
 from .launch import CachedKernel, cdiv, next_power_of_2
-from .registry import kdakit_op
+from .registry import example_index, example_pool, example_rand, example_randn, example_rng, kdakit_op
 from .triton_math import count_bad_row, delta_rule_update, kda_log_decay, l2_normalize, mask_if
 
 # How beta becomes β: as given, sigmoid of a logit, or 2·sigmoid (fla's allow_neg_eigval).
@@ -350,3 +350,19 @@ def recurrent_forward(q, k, v, g, beta, state, slot_indices, *, cu_seqlens=None,
                          lower_bound, BETA_SIGMOID if beta_is_logit else BETA_AS_IS, num_accepted_tokens, token_states,
                          write_final_state, None, True, backend)
     return out
+
+
+@recurrent_forward_op.register_example
+def _example(seed, device="cpu", *, out=True):
+    g = example_rng(seed)
+    T, H, HV, K, V, slots = 5, 1, 2, 8, 16, 5
+    args = (example_randn(g, 1, T, H, K, device=device), example_randn(g, 1, T, H, K, device=device),
+            example_randn(g, 1, T, HV, V, device=device), example_randn(g, 1, T, HV, K, device=device),
+            example_randn(g, 1, T, HV, device=device), example_pool(g, slots, HV, V, K, device=device),
+            example_index(3, -1, 0, device=device))
+    kw = dict(cu_seqlens=example_index(0, 2, 3, 5, device=device), A_log=example_rand(g, HV, device=device),
+              dt_bias=example_randn(g, HV * K, scale=0.5, device=device), lower_bound=-3.0, beta_is_logit=True,
+              token_states=torch.full((T, HV, V, K), 7.0, device=device))
+    if out:
+        kw["out"] = torch.full((1, T, HV, V), 7.0, device=device)
+    return recurrent_forward, args, kw

@@ -51,7 +51,9 @@ Layout: every op carries ``torch.Tag.needs_exact_strides`` so inductor hands the
 the strides that validation saw at trace time (kernels read strides at run time and the
 contracts pin some of them).
 
-``OPS`` maps each name to its :class:`Op`: the custom op, what it mutates and its schema.
+``OPS`` maps each name to its :class:`Op`: the custom op, what it mutates, its schema and
+its example inputs (``@<name>_op.register_example``), which the generic tests iterate
+(opcheck, fullgraph compile, the sm_90 compile, the GPU compile/graph check).
 
 This module imports nothing of kdakit: the op modules sit above it.
 """
@@ -107,6 +109,7 @@ class Op:
         self.dispatch = dispatch or body
         self.flatten = flatten
         self._conversions = tuple(_conversion(a.type) for a in self.schema.arguments)
+        self.example: Callable | None = None
         self.__doc__ = body.__doc__
 
     def __call__(self, *args) -> None:
@@ -128,6 +131,13 @@ class Op:
             args = self.flatten(*args)
         return tuple([convert(x) for convert, x in zip(self._conversions, args)])
 
+    def register_example(self, build: Callable) -> Callable:
+        """Decorator: ``build(seed, device="cpu", **options) -> (public entry, args, kwargs)``,
+        small inputs of a call (fresh tensors; the same scalars for every seed), which the
+        generic tests run on every op."""
+        self.example = build
+        return build
+
     def __repr__(self) -> str:
         return f"<kdakit op {self.schema}>"
 
@@ -146,3 +156,29 @@ def kdakit_op(name: str, *, mutates: tuple[str, ...], dispatch: Callable | None 
         OPS[name] = op
         return op
     return decorate
+
+
+# ----------------------------------------------------------------------------
+# Example inputs (seeded on the CPU, then moved: the same values on every device)
+# ----------------------------------------------------------------------------
+def example_rng(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def example_randn(g: torch.Generator, *shape, dtype=torch.float32, scale=1.0, device="cpu") -> torch.Tensor:
+    return (torch.randn(*shape, generator=g) * scale).to(dtype).to(device)
+
+
+def example_rand(g: torch.Generator, *shape, device="cpu") -> torch.Tensor:
+    return torch.rand(*shape, generator=g).to(device)
+
+
+def example_pool(g: torch.Generator, slots, HV, V, K, *, dtype=torch.float32, pad=7, device="cpu") -> torch.Tensor:
+    """An interleaved state pool: slot stride > HV*V*K, as when layers share one allocation."""
+    stride = HV * V * K + pad
+    flat = example_randn(g, slots * stride, scale=0.5).to(dtype).to(device)
+    return flat.as_strided((slots, HV, V, K), (stride, V * K, K, 1))
+
+
+def example_index(*values, dtype=torch.int32, device="cpu") -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype, device=device)
