@@ -10,6 +10,8 @@ read-only inputs):
   cudagraph    eager op captured in a torch.cuda.CUDAGraph; new inputs copied into the
                captured buffers, replayed == eager on the new inputs
   compile+graph the inductor-compiled fn captured the same way, replayed == eager
+The cases below are per op at real sizes; every op of the registry without one
+(``kdakit.ops.registry.OPS``) runs its example inputs (small sizes) as ``<op>-example``.
 Prints a table last; exits 1 when any check fails. Needs CUDA.
 """
 from __future__ import annotations
@@ -21,6 +23,7 @@ import traceback
 import torch
 
 import kdakit
+from kdakit.ops.registry import OPS
 
 H = HV = 32
 K = V = 128
@@ -205,6 +208,8 @@ CASES.update({
     "tree_verify-ring": lambda s: _tree_case(s, "ring"),
     "commit_tree_ring": commit_tree_ring_case,
 })
+CASES.update({f"{name}-example": (lambda seed, op=op: op.example(seed, device=DEV)) for name, op in OPS.items()
+              if not any(case == name or case.startswith(name + "-") for case in CASES)})
 
 
 # ----------------------------------------------------------------------------

@@ -14,7 +14,6 @@ from .ops.recurrent_forward import recurrent_forward  # noqa: E402
 from .ops.tree_commit import commit_tree_ring  # noqa: E402
 from .ops.tree_verify import tree_verify  # noqa: E402
 from .ops.chunk_prefill import chunk_prefill  # noqa: E402
-from . import custom_ops  # noqa: E402  (torch.ops.kdakit.*: the public entries dispatch through them)
 
 __all__ = ["__version__", "backends", "contracts", "errors", "reference", "take_errors", "packed_decode",
            "fused_decode", "causal_conv1d_update", "causal_conv1d_varlen", "gated_rmsnorm", "mtp_verify",

@@ -1,13 +1,32 @@
 """Run every op's Triton path on CPU tensors in compile-only mode (see kdakit/ops/launch.py):
 each launch is compiled for the H200 (sm_90) instead of run. Prints the kernels compiled.
-Run in a fresh process with KDAKIT_COMPILE_ONLY=sm_90 and without TRITON_INTERPRET."""
+Run in a fresh process with KDAKIT_COMPILE_ONLY=sm_90 and without TRITON_INTERPRET.
+
+The launch variants below are chosen per op (config branches, flag combinations, real head
+sizes); then every op of the registry that none of them ran through the Triton backend runs
+its example inputs, so a new op compiles here without an entry of its own."""
 import os
 import sys
 
 import torch
 
 import kdakit
+from kdakit import backends
 from kdakit.ops.launch import COMPILED_FOR_TARGET
+from kdakit.ops.registry import OPS
+
+RAN = set()  # the ops whose Triton implementation a public call ran
+
+
+def _noting(name, impl):
+    def run(*args, **kwargs):
+        RAN.add(name)
+        return impl(*args, **kwargs)
+    return run
+
+
+for _name in OPS:
+    backends.register(_name, "triton")(_noting(_name, backends.select(_name, torch.device("cpu"), "triton")[1]))
 
 H = HV = 2
 K = V = 128
@@ -157,5 +176,11 @@ kdakit.tree_verify(tq, tk, tv, ta, tb, torch.rand(HT), torch.randn(HT * K), t_st
                    rings=t_rings, backend="triton")
 mtp_verify_module.RING_CHUNK_FORM_ABOVE = chunk_form_above
 assert "_tree_verify_kernel" not in COMPILED_FOR_TARGET[n_before:], COMPILED_FOR_TARGET[n_before:]
+for name, op in OPS.items():  # each example is one more compile of its kernels: only where needed
+    if name not in RAN:
+        n_before = len(COMPILED_FOR_TARGET)
+        public, args, kw = op.example(0)
+        public(*args, **kw, backend="triton")
+        assert name in RAN and len(COMPILED_FOR_TARGET) > n_before, f"{name}: its example compiled no kernel"
 print(" ".join(COMPILED_FOR_TARGET))
 sys.exit(0)

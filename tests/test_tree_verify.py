@@ -288,12 +288,12 @@ def test_tree_speculation_loop_equals_plain_decode(backend):
 def test_custom_op_schema_fake_and_traced_branch():
     """torch.ops.kdakit.tree_verify: declared mutations and the no-op fake (opcheck), and the
     public entry's traced branch (a subclass tensor routes through the custom op) equals eager."""
-    from kdakit import custom_ops
+    from kdakit.ops.mtp_verify import mtp_verify_tensors
     p, d = make_problem(61, T=4, norm=True)
     bufs = fresh_buffers(d)
     out = torch.empty(p["v"].shape, dtype=p["v"].dtype)
-    flat = custom_ops.mtp_verify_tensors(p["conv_weights"], p["conv_states"], bufs["intermediate_conv"], None,
-                                         bufs["snapshots"], None)
+    flat = mtp_verify_tensors(p["conv_weights"], p["conv_states"], bufs["intermediate_conv"], None, bufs["snapshots"],
+                              None)
     args = (p["q"], p["k"], p["v"], p["a"], p["b"], p["A_log"], p["dt_bias"], p["state"], p["slot_indices"],
             p["scratch_indices"], p["parents"], out, *flat, 16 ** -0.5, -2.0, p["norm_gate"], p["norm_weight"], 1e-6,
             "reference")

@@ -527,6 +527,23 @@ def run_chunk_prefill(q, k, v, g, beta, state, slot_indices, out, *, cu_seqlens,
                 chunk_state_indices=chunk_state_indices)
 
 
+from .registry import example_index, example_rand, example_randn, example_rng, kdakit_op  # noqa: E402
+
+
+@kdakit_op("chunk_prefill", mutates=("state", "out", "chunk_states"))
+def chunk_prefill_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     state: torch.Tensor, slot_indices: torch.Tensor, out: torch.Tensor, cu_seqlens: torch.Tensor,
+                     scale: float | None, use_qk_l2norm: bool, A_log: torch.Tensor | None,
+                     dt_bias: torch.Tensor | None, lower_bound: float | None, beta_mode: int,
+                     has_initial_state: torch.Tensor | None, chunk_states: torch.Tensor | None,
+                     chunk_state_indices: torch.Tensor | None, backend: str | None) -> None:
+    """``beta_mode`` is one of ``BETA_*``."""
+    run_chunk_prefill(q, k, v, g, beta, state, slot_indices, out, cu_seqlens=cu_seqlens, scale=scale,
+                      use_qk_l2norm=use_qk_l2norm, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+                      beta_mode=beta_mode, has_initial_state=has_initial_state, chunk_states=chunk_states,
+                      chunk_state_indices=chunk_state_indices, backend=backend)
+
+
 def chunk_prefill(q, k, v, g, beta, state, slot_indices, *, cu_seqlens=None, A_log=None, dt_bias=None,
                   lower_bound=None, beta_is_logit=False, has_initial_state=None, use_qk_l2norm=True, scale=None,
                   chunk_states=None, chunk_state_indices=None, out=None, full_checks=None, backend=None):
@@ -554,13 +571,24 @@ def chunk_prefill(q, k, v, g, beta, state, slot_indices, *, cu_seqlens=None, A_l
                                   chunk_states=chunk_states, chunk_state_indices=chunk_state_indices,
                                   full_checks=full_checks)
     beta_mode = BETA_SIGMOID if beta_is_logit else BETA_AS_IS
-    if torch.compiler.is_compiling() or type(q) is not torch.Tensor:  # traced: kdakit/custom_ops.py
-        torch.ops.kdakit.chunk_prefill(q, k, v, g, beta, state, slot_indices, out, cu_seqlens,
-                                       None if scale is None else float(scale), bool(use_qk_l2norm), A_log, dt_bias,
-                                       None if lower_bound is None else float(lower_bound), beta_mode,
-                                       has_initial_state, chunk_states, chunk_state_indices, backend)
-        return out
-    return run_chunk_prefill(q, k, v, g, beta, state, slot_indices, out, cu_seqlens=cu_seqlens, scale=scale,
-                             use_qk_l2norm=use_qk_l2norm, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
-                             beta_mode=beta_mode, has_initial_state=has_initial_state, chunk_states=chunk_states,
-                             chunk_state_indices=chunk_state_indices, backend=backend)
+    chunk_prefill_op(q, k, v, g, beta, state, slot_indices, out, cu_seqlens, scale, use_qk_l2norm, A_log, dt_bias,
+                     lower_bound, beta_mode, has_initial_state, chunk_states, chunk_state_indices, backend)
+    return out
+
+
+@chunk_prefill_op.register_example
+def _example(seed, device="cpu"):
+    """Sequences of 3 tokens, of 17 (past a 16-token sub-block; from a zero state), and an empty padding row."""
+    g = example_rng(seed)
+    H, HV, K, V, slots = 1, 2, 16, 16, 5
+    cu = (0, 3, 20, 20)
+    T = cu[-1]
+    args = (example_randn(g, 1, T, H, K, device=device), example_randn(g, 1, T, H, K, device=device),
+            example_randn(g, 1, T, HV, V, device=device), example_randn(g, 1, T, HV, K, device=device),
+            example_randn(g, 1, T, HV, device=device), example_randn(g, slots, HV, V, K, scale=0.5, device=device),
+            example_index(3, 0, -1, device=device))
+    kw = dict(cu_seqlens=example_index(*cu, device=device), A_log=example_rand(g, HV, device=device),
+              dt_bias=example_randn(g, HV * K, scale=0.5, device=device), lower_bound=-3.0, beta_is_logit=True,
+              has_initial_state=torch.tensor([True, False, True], device=device),
+              out=torch.full((1, T, HV, V), 7.0, device=device))
+    return chunk_prefill, args, kw

@@ -16,6 +16,7 @@ from .. import contracts, errors, reference
 from ..backends import register, select
 from .launch import CachedKernel, cdiv, next_power_of_2
 from .mtp_verify import recurrence_tile
+from .registry import example_index, example_pool, example_rand, example_randn, example_rng, kdakit_op
 from .triton_math import count_bad_row, delta_rule_update, l2_normalize, mask_if
 
 
@@ -256,6 +257,16 @@ def check_commit_ring(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, ac
                                "slots.")
 
 
+@kdakit_op("commit_ring", mutates=("state",))
+def commit_ring_op(state: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor, ring_g: torch.Tensor,
+                   ring_beta: torch.Tensor, slot_indices: torch.Tensor, accept_lens: torch.Tensor,
+                   track_slots: torch.Tensor | None, track_steps: torch.Tensor | None, use_qk_l2norm: bool,
+                   null_block_id: int, backend: str | None) -> None:
+    _, impl = select("commit_ring", state.device, backend)
+    impl(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, accept_lens, track_slots=track_slots,
+         track_steps=track_steps, use_qk_l2norm=use_qk_l2norm, null_block_id=null_block_id)
+
+
 def commit_ring(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, accept_lens, *, track_slots=None,
                 track_steps=None, use_qk_l2norm=True, null_block_id=-1, backend=None, full_checks=None):
     """Fold ``accept_lens[n]`` ring steps (bonus token included) into ``state[slot_indices[n]]``.
@@ -270,13 +281,25 @@ def commit_ring(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, accept_l
     """
     check_commit_ring(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, accept_lens, track_slots,
                       track_steps, full_checks)
-    if torch.compiler.is_compiling() or type(state) is not torch.Tensor:  # traced: kdakit/custom_ops.py
-        torch.ops.kdakit.commit_ring(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, accept_lens,
-                                     track_slots, track_steps, bool(use_qk_l2norm), int(null_block_id), backend)
-        return
-    _, impl = select("commit_ring", state.device, backend)
-    impl(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, accept_lens, track_slots=track_slots,
-         track_steps=track_steps, use_qk_l2norm=use_qk_l2norm, null_block_id=null_block_id)
+    commit_ring_op(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, accept_lens, track_slots, track_steps,
+                   use_qk_l2norm, null_block_id, backend)
+
+
+@commit_ring_op.register_example
+def _commit_ring_example(seed, device="cpu", *, track=True):
+    g = example_rng(seed)
+    H, HV, K, V, slots, L = 1, 2, 8, 16, 6, 4
+    bf16 = torch.bfloat16
+    args = (example_randn(g, slots, HV, V, K, scale=0.5, device=device),
+            example_randn(g, slots, H, L, K, dtype=bf16, device=device),
+            example_randn(g, slots, HV, L, V, dtype=bf16, device=device), -example_rand(g, slots, HV, L, K, device=device),
+            example_rand(g, slots, HV, L, device=device), example_index(4, -1, 1, 2, device=device),
+            example_index(3, 2, 1, 0, device=device))
+    kw = dict(null_block_id=-1)
+    if track:
+        kw.update(track_slots=example_index(5, 0, 3, 0, device=device),
+                  track_steps=example_index(1, 0, 0, 0, device=device))
+    return commit_ring, args, kw
 
 
 # ----------------------------------------------------------------------------
@@ -324,6 +347,31 @@ def commit_snapshots_reference(state, snapshots, slot_indices, scratch_indices, 
     reference.commit_snapshots(state, snapshots, slot_indices, scratch_indices, accepted_steps, **kwargs)
 
 
+def run_commit_snapshots(state, snapshots, slot_indices, scratch_indices, accepted_steps, conv_states,
+                         intermediate_conv, backend):
+    """Dispatch after validation; the conv pools as tuples (or None), as the public entry takes them."""
+    _, impl = select("commit_snapshots", state.device, backend)
+    impl(state, snapshots, slot_indices, scratch_indices, accepted_steps, conv_states=conv_states,
+         intermediate_conv=intermediate_conv)
+
+
+def _schema_args(state, snapshots, slot_indices, scratch_indices, accepted_steps, conv_states, intermediate_conv,
+                 backend):
+    """The custom op's arguments: the conv pools as lists (empty for None)."""
+    return (state, snapshots, slot_indices, scratch_indices, accepted_steps, list(conv_states or ()),
+            list(intermediate_conv or ()), backend)
+
+
+@kdakit_op("commit_snapshots", mutates=("state", "conv_states"), dispatch=run_commit_snapshots,
+           flatten=_schema_args)
+def commit_snapshots_op(state: torch.Tensor, snapshots: torch.Tensor | None, slot_indices: torch.Tensor,
+                        scratch_indices: torch.Tensor, accepted_steps: torch.Tensor, conv_states: list[torch.Tensor],
+                        intermediate_conv: list[torch.Tensor], backend: str | None) -> None:
+    run_commit_snapshots(state, snapshots, slot_indices, scratch_indices, accepted_steps,
+                         tuple(conv_states) if conv_states else None,
+                         tuple(intermediate_conv) if intermediate_conv else None, backend)
+
+
 def commit_snapshots(state, snapshots, slot_indices, scratch_indices, accepted_steps, *, conv_states=None,
                      intermediate_conv=None, backend=None, full_checks=None):
     """For each request with a live slot and ``accepted_steps[n] >= 0``, copy snapshot
@@ -367,10 +415,28 @@ def commit_snapshots(state, snapshots, slot_indices, scratch_indices, accepted_s
         committed = (slot_indices >= 0) & (accepted_steps >= 0)
         contracts.check_slot_values("slot_indices", slot_indices[committed], num_slots, full_checks=True)
         contracts.check_rows_in_range("scratch_indices", scratch_indices[committed], num_rows, "row")
-    if torch.compiler.is_compiling() or type(state) is not torch.Tensor:  # traced: kdakit/custom_ops.py
-        torch.ops.kdakit.commit_snapshots(state, snapshots, slot_indices, scratch_indices, accepted_steps,
-                                          list(conv_states or ()), list(intermediate_conv or ()), backend)
-        return
-    _, impl = select("commit_snapshots", state.device, backend)
-    impl(state, snapshots, slot_indices, scratch_indices, accepted_steps, conv_states=conv_states,
-         intermediate_conv=intermediate_conv)
+    commit_snapshots_op(state, snapshots, slot_indices, scratch_indices, accepted_steps, conv_states,
+                        intermediate_conv, backend)
+
+
+@commit_snapshots_op.register_example
+def _commit_snapshots_example(seed, device="cpu", *, merged_conv_only=False):
+    """``merged_conv_only``: one merged q|k|v conv pool and no state snapshot (after a ring commit)."""
+    g = example_rng(seed)
+    HV, K, V, W, slots, scratch, L = 2, 8, 16, 4, 5, 3, 4
+    bf16 = torch.bfloat16
+    channels = (8, 8, 32)
+    rows = (example_index(4, -1, 1, device=device), example_index(0, 2, 1, device=device),
+            example_index(2, 1, -1, device=device))
+    if merged_conv_only:
+        C = sum(channels)
+        args = (example_randn(g, slots, HV, V, K, device=device), None, *rows)
+        kw = dict(conv_states=(example_randn(g, slots, C, W - 1, dtype=bf16, device=device),),
+                  intermediate_conv=(example_randn(g, scratch, L, C, W - 1, dtype=bf16, device=device),))
+    else:
+        args = (example_pool(g, slots, HV, V, K, device=device), example_randn(g, scratch, L, HV, V, K, device=device),
+                *rows)
+        kw = dict(conv_states=tuple(example_randn(g, slots, c, W - 1, dtype=bf16, device=device) for c in channels),
+                  intermediate_conv=tuple(example_randn(g, scratch, L, c, W - 1, dtype=bf16, device=device)
+                                          for c in channels))
+    return commit_snapshots, args, kw

@@ -17,6 +17,7 @@ from triton.language.extra.cuda import gdc_launch_dependents
 from .. import contracts, errors, reference
 from ..backends import register, select
 from .launch import CachedKernel, cdiv, next_power_of_2
+from .registry import example_index, example_randn, example_rng, kdakit_op
 from .triton_math import count_bad_row, short_conv_update
 
 
@@ -83,6 +84,14 @@ def causal_conv1d_update_reference(x, conv_state, weight, slot_indices, out, *, 
     return reference.causal_conv1d_update(x, conv_state, weight, slot_indices, out, bias=bias)
 
 
+@kdakit_op("causal_conv1d_update", mutates=("conv_state", "out"))
+def causal_conv1d_update_op(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
+                            slot_indices: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None,
+                            backend: str | None) -> None:
+    _, impl = select("causal_conv1d_update", x.device, backend)
+    impl(x, conv_state, weight, slot_indices, out, bias=bias)
+
+
 def causal_conv1d_update(x, conv_state, weight, slot_indices, *, bias=None, out=None, backend=None,
                          full_checks=None):
     """Short conv (SiLU) of one token for ``B`` requests; shifts ``conv_state[slot_indices[i]]`` in place.
@@ -95,8 +104,19 @@ def causal_conv1d_update(x, conv_state, weight, slot_indices, *, bias=None, out=
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     contracts.check_causal_conv1d_update(x, conv_state, weight, slot_indices, out, bias=bias,
                                          full_checks=full_checks)
-    if torch.compiler.is_compiling() or type(x) is not torch.Tensor:  # traced: kdakit/custom_ops.py
-        torch.ops.kdakit.causal_conv1d_update(x, conv_state, weight, slot_indices, out, bias, backend)
-        return out
-    _, impl = select("causal_conv1d_update", x.device, backend)
-    return impl(x, conv_state, weight, slot_indices, out, bias=bias)
+    causal_conv1d_update_op(x, conv_state, weight, slot_indices, out, bias, backend)
+    return out
+
+
+@causal_conv1d_update_op.register_example
+def _example(seed, device="cpu", *, out=True):
+    g = example_rng(seed)
+    B, C, W, slots = 3, 24, 4, 4
+    bf16 = torch.bfloat16
+    args = (example_randn(g, B, C, dtype=bf16, device=device),
+            example_randn(g, slots, C, W - 1, dtype=bf16, device=device),
+            example_randn(g, C, W, scale=0.5, device=device), example_index(2, -1, 0, dtype=torch.int64, device=device))
+    kw = dict(bias=example_randn(g, C, scale=0.1, device=device))
+    if out:
+        kw["out"] = torch.full((B, C), 7.0, dtype=bf16, device=device)
+    return causal_conv1d_update, args, kw

@@ -28,6 +28,7 @@ import triton.language as tl
 from .. import contracts, errors, reference
 from ..backends import register, select
 from .launch import CachedKernel, cdiv, next_power_of_2
+from .registry import example_index, example_randn, example_rng, kdakit_op
 from .triton_math import count_bad_row
 
 
@@ -215,6 +216,17 @@ def causal_conv1d_varlen_reference(x, conv_state, weight, cu_seqlens, slot_indic
                                           has_initial_state=has_initial_state, bias=bias, activation=activation)
 
 
+@kdakit_op("causal_conv1d_varlen", mutates=("conv_state", "out"))
+def causal_conv1d_varlen_op(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
+                            cu_seqlens: torch.Tensor, slot_indices: torch.Tensor, out: torch.Tensor,
+                            has_initial_state: torch.Tensor | None, bias: torch.Tensor | None, activation: bool,
+                            backend: str | None) -> None:
+    """``activation``: SiLU on (the public entry's ``"silu"``/``"swish"``) or off (``None``)."""
+    _, impl = select("causal_conv1d_varlen", x.device, backend)
+    impl(x, conv_state, weight, cu_seqlens, slot_indices, out, has_initial_state=has_initial_state, bias=bias,
+         activation=activation)
+
+
 def causal_conv1d_varlen(x, conv_state, weight, cu_seqlens, slot_indices, *, has_initial_state=None, bias=None,
                          activation="silu", out=None, backend=None, full_checks=None):
     """Short conv of the tokens of ``N`` sequences; the slots' windows are left after each one's last token.
@@ -231,11 +243,23 @@ def causal_conv1d_varlen(x, conv_state, weight, cu_seqlens, slot_indices, *, has
     contracts.check_causal_conv1d_varlen(x, conv_state, weight, cu_seqlens, slot_indices, out,
                                          has_initial_state=has_initial_state, bias=bias, activation=activation,
                                          full_checks=full_checks)
-    silu = activation is not None
-    if torch.compiler.is_compiling() or type(x) is not torch.Tensor:  # traced: kdakit/custom_ops.py
-        torch.ops.kdakit.causal_conv1d_varlen(x, conv_state, weight, cu_seqlens, slot_indices, out,
-                                              has_initial_state, bias, silu, backend)
-        return out
-    _, impl = select("causal_conv1d_varlen", x.device, backend)
-    return impl(x, conv_state, weight, cu_seqlens, slot_indices, out, has_initial_state=has_initial_state,
-                bias=bias, activation=silu)
+    causal_conv1d_varlen_op(x, conv_state, weight, cu_seqlens, slot_indices, out, has_initial_state, bias,
+                            activation is not None, backend)
+    return out
+
+
+@causal_conv1d_varlen_op.register_example
+def _example(seed, device="cpu", *, out=True):
+    g = example_rng(seed)
+    T, C, W, slots = 9, 24, 4, 5
+    bf16 = torch.bfloat16
+    # x as the transposed [C, T] view engines hold, the pool as sglang's [slots, W-1, C] transposed
+    args = (example_randn(g, C, T, dtype=bf16, device=device).t(),
+            example_randn(g, slots, W - 1, C, dtype=bf16, device=device).transpose(1, 2),
+            example_randn(g, C, W, scale=0.5, device=device), example_index(0, 4, 5, 9, device=device),
+            example_index(3, -1, 0, dtype=torch.int64, device=device))
+    kw = dict(has_initial_state=torch.tensor([True, True, False], device=device),
+              bias=example_randn(g, C, scale=0.1, device=device))
+    if out:
+        kw["out"] = torch.full((T, C), 7.0, dtype=bf16, device=device)
+    return causal_conv1d_varlen, args, kw

@@ -23,6 +23,7 @@ from .gated_rmsnorm import gated_rmsnorm_after
 from .launch import CachedKernel, arrival_counters, cdiv, next_power_of_2, pdl_available
 from .packed_decode import _launch_config as packed_launch_config
 from .packed_decode import packed_decode_triton
+from .registry import example_index, example_rand, example_randn, example_rng, kdakit_op
 from .triton_math import (conv_apply, conv_inputs, count_bad_row, delta_rule_update, gated_rmsnorm_rows,
                           kda_log_decay, l2_normalize, mask_if, shift_window, short_conv)
 
@@ -310,6 +311,17 @@ def fused_decode_reference(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, s
                                   norm_weight=norm_weight, norm_eps=norm_eps)
 
 
+@kdakit_op("fused_decode", mutates=("conv_state", "state", "out"))
+def fused_decode_op(qkv: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch.Tensor, a: torch.Tensor,
+                    b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor,
+                    slot_indices: torch.Tensor, out: torch.Tensor, conv_bias: torch.Tensor | None, scale: float,
+                    lower_bound: float | None, norm_gate: torch.Tensor | None, norm_weight: torch.Tensor | None,
+                    norm_eps: float, backend: str | None) -> None:
+    _, impl = select("fused_decode", qkv.device, backend)
+    impl(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, state, slot_indices, out, conv_bias=conv_bias,
+         scale=scale, lower_bound=lower_bound, norm_gate=norm_gate, norm_weight=norm_weight, norm_eps=norm_eps)
+
+
 def fused_decode(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, state, slot_indices, *, conv_bias=None,
                  scale=None, lower_bound=None, norm_gate=None, norm_weight=None, norm_eps=1e-6, out=None,
                  backend=None, full_checks=None):
@@ -330,12 +342,25 @@ def fused_decode(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, state, slot
                                  conv_bias=conv_bias, lower_bound=lower_bound, norm_gate=norm_gate,
                                  norm_weight=norm_weight, norm_eps=norm_eps, full_checks=full_checks)
     scale = state.shape[-1] ** -0.5 if scale is None else scale
-    if torch.compiler.is_compiling() or type(qkv) is not torch.Tensor:  # traced: kdakit/custom_ops.py
-        torch.ops.kdakit.fused_decode(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, state, slot_indices, out,
-                                      conv_bias, float(scale), None if lower_bound is None else float(lower_bound),
-                                      norm_gate, norm_weight, float(norm_eps), backend)
-        return out
-    _, impl = select("fused_decode", qkv.device, backend)
-    return impl(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, state, slot_indices, out, conv_bias=conv_bias,
-                scale=scale, lower_bound=lower_bound, norm_gate=norm_gate, norm_weight=norm_weight,
-                norm_eps=norm_eps)
+    fused_decode_op(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, state, slot_indices, out, conv_bias, scale,
+                    lower_bound, norm_gate, norm_weight, norm_eps, backend)
+    return out
+
+
+@fused_decode_op.register_example
+def _example(seed, device="cpu", *, out=True):
+    g = example_rng(seed)
+    B, H, HV, K, V, W, slots = 3, 1, 2, 8, 16, 4, 5
+    C = 2 * H * K + HV * V
+    bf16 = torch.bfloat16
+    args = (example_randn(g, B, C, dtype=bf16, device=device), example_randn(g, C, W, scale=0.5, device=device),
+            example_randn(g, slots, C, W - 1, dtype=bf16, device=device),
+            example_randn(g, B, HV * K, dtype=bf16, device=device), example_randn(g, B, HV, dtype=bf16, device=device),
+            example_rand(g, HV, device=device), example_randn(g, HV * K, scale=0.5, device=device),
+            example_randn(g, slots, HV, V, K, scale=0.5, device=device), example_index(-1, 4, 1, device=device))
+    kw = dict(conv_bias=example_randn(g, C, scale=0.1, device=device),
+              norm_gate=example_randn(g, B, HV * V, dtype=bf16, device=device),
+              norm_weight=example_rand(g, V, device=device) + 0.5)
+    if out:
+        kw["out"] = torch.full((B, 1, HV, V), 7.0, dtype=bf16, device=device)
+    return fused_decode, args, kw

@@ -14,6 +14,7 @@ from triton.language.extra.cuda import gdc_wait
 from .. import contracts, reference
 from ..backends import register, select
 from .launch import CachedKernel, cdiv, next_power_of_2
+from .registry import example_rand, example_randn, example_rng, kdakit_op
 from .triton_math import gated_rmsnorm_tile
 
 
@@ -88,6 +89,26 @@ def gated_rmsnorm_reference(x, gate, weight, out, *, eps, groups):
     return reference.gated_rmsnorm_op(x, gate, weight, out, eps=eps)
 
 
+def run_gated_rmsnorm(x, gate, weight, out, eps, groups, backend):
+    """Dispatch after validation; ``groups`` as ``contracts.row_groups`` gives them."""
+    _, impl = select("gated_rmsnorm", x.device, backend)
+    impl(x, gate, weight, out, eps=eps, groups=groups)
+
+
+def _schema_args(x, gate, weight, out, eps, groups, backend):
+    """The custom op's arguments: ``groups`` as a flat int list."""
+    (n_outer, n_inner, ((sxo, sxi), (sgo, sgi), (soo, soi))) = groups
+    return x, gate, weight, out, eps, [n_outer, n_inner, sxo, sxi, sgo, sgi, soo, soi], backend
+
+
+@kdakit_op("gated_rmsnorm", mutates=("out",), dispatch=run_gated_rmsnorm, flatten=_schema_args)
+def gated_rmsnorm_op(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps: float,
+                     groups: list[int], backend: str | None) -> None:
+    """``groups`` is ``contracts.row_groups`` flattened: ``[n_outer, n_inner, sxo, sxi, sgo, sgi, soo, soi]``."""
+    n_outer, n_inner, sxo, sxi, sgo, sgi, soo, soi = groups
+    run_gated_rmsnorm(x, gate, weight, out, eps, (n_outer, n_inner, ((sxo, sxi), (sgo, sgi), (soo, soi))), backend)
+
+
 def gated_rmsnorm(x, gate, weight, *, eps=1e-6, out=None, backend=None, full_checks=None):
     """Gated RMSNorm of each row of ``x [..., V]`` with ``gate [..., V]`` and ``weight [V]`` float32.
 
@@ -96,10 +117,19 @@ def gated_rmsnorm(x, gate, weight, *, eps=1e-6, out=None, backend=None, full_che
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     groups = contracts.check_gated_rmsnorm(x, gate, weight, out, eps=eps, full_checks=full_checks)
-    if torch.compiler.is_compiling() or type(x) is not torch.Tensor:  # traced: kdakit/custom_ops.py
-        (n_outer, n_inner, ((sxo, sxi), (sgo, sgi), (soo, soi))) = groups
-        torch.ops.kdakit.gated_rmsnorm(x, gate, weight, out, float(eps),
-                                       [n_outer, n_inner, sxo, sxi, sgo, sgi, soo, soi], backend)
-        return out
-    _, impl = select("gated_rmsnorm", x.device, backend)
-    return impl(x, gate, weight, out, eps=eps, groups=groups)
+    gated_rmsnorm_op(x, gate, weight, out, eps, groups, backend)
+    return out
+
+
+@gated_rmsnorm_op.register_example
+def _example(seed, device="cpu", *, out=True):
+    g = example_rng(seed)
+    B, HV, V = 3, 2, 16
+    bf16 = torch.bfloat16
+    wide = example_randn(g, B, HV * V + 8, dtype=bf16, device=device)  # gate sliced from a wider projection
+    args = (example_randn(g, B, 1, HV, V, dtype=bf16, device=device), wide[:, :HV * V].view(B, 1, HV, V),
+            example_rand(g, V, device=device) + 0.5)
+    kw = dict(eps=1e-5)
+    if out:
+        kw["out"] = torch.full((B, 1, HV, V), 7.0, dtype=bf16, device=device)
+    return gated_rmsnorm, args, kw

@@ -26,6 +26,7 @@ from .. import contracts, errors, reference
 from ..backends import register, select
 from .gated_rmsnorm import gated_rmsnorm_after
 from .launch import CachedKernel, cdiv, next_power_of_2, pdl_available
+from .registry import example_index, example_rand, example_randn, example_rng, kdakit_op
 from .ring_verify import ring_verify
 from .triton_math import count_bad_row, delta_rule_update, kda_log_decay, l2_normalize, mask_if, verify_request
 from .verify_conv import verify_conv
@@ -316,6 +317,57 @@ def check_mtp_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch
         contracts.check_finite(True, A_log=A_log, dt_bias=dt_bias)
 
 
+def run_mtp_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, out, conv_weights,
+                   conv_states, intermediate_conv, conv_bias, snapshots, rings, scale, lower_bound, norm_gate,
+                   norm_weight, norm_eps, backend):
+    """Dispatch after validation, the tuples as the public entry takes them."""
+    _, impl = select("mtp_verify", q.device, backend)
+    impl(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, out,
+         conv_weights=conv_weights, conv_states=conv_states, intermediate_conv=intermediate_conv,
+         conv_bias=conv_bias, snapshots=snapshots, rings=rings, scale=scale, lower_bound=lower_bound,
+         norm_gate=norm_gate, norm_weight=norm_weight, norm_eps=norm_eps)
+
+
+def mtp_verify_tensors(conv_weights, conv_states, intermediate_conv, conv_bias, snapshots, rings) -> tuple:
+    """The public tuples flattened into the custom op's 17 optional tensor arguments, in
+    schema order: ``w_q..w_v, cs_q..cs_v, ic_q..ic_v, bias_q..bias_v, snapshots, ring_k..ring_beta``."""
+    flat = []
+    for group, n in ((conv_weights, 3), (conv_states, 3), (intermediate_conv, 3), (conv_bias, 3)):
+        flat += list(group) if group is not None else [None] * n
+    flat.append(snapshots)
+    flat += list(rings) if rings is not None else [None] * 4
+    return tuple(flat)
+
+
+def optional_tuple(*tensors):
+    """A tuple of tensors, or None when the first is None (the op's "not given")."""
+    return None if tensors[0] is None else tuple(tensors)
+
+
+def _schema_args(*args):
+    """The custom op's arguments: ``mtp_verify_tensors`` of the six tuple-or-None arguments."""
+    return (*args[:11], *mtp_verify_tensors(*args[11:17]), *args[17:])
+
+
+@kdakit_op("mtp_verify", mutates=("out", "ic_q", "ic_k", "ic_v", "snapshots", "ring_k", "ring_v", "ring_g",
+                                  "ring_beta"), dispatch=run_mtp_verify, flatten=_schema_args)
+def mtp_verify_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                  A_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor, slot_indices: torch.Tensor,
+                  scratch_indices: torch.Tensor, out: torch.Tensor,
+                  w_q: torch.Tensor | None, w_k: torch.Tensor | None, w_v: torch.Tensor | None,
+                  cs_q: torch.Tensor | None, cs_k: torch.Tensor | None, cs_v: torch.Tensor | None,
+                  ic_q: torch.Tensor | None, ic_k: torch.Tensor | None, ic_v: torch.Tensor | None,
+                  bias_q: torch.Tensor | None, bias_k: torch.Tensor | None, bias_v: torch.Tensor | None,
+                  snapshots: torch.Tensor | None, ring_k: torch.Tensor | None, ring_v: torch.Tensor | None,
+                  ring_g: torch.Tensor | None, ring_beta: torch.Tensor | None, scale: float,
+                  lower_bound: float | None, norm_gate: torch.Tensor | None, norm_weight: torch.Tensor | None,
+                  norm_eps: float, backend: str | None) -> None:
+    run_mtp_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, out,
+                   optional_tuple(w_q, w_k, w_v), optional_tuple(cs_q, cs_k, cs_v), optional_tuple(ic_q, ic_k, ic_v),
+                   optional_tuple(bias_q, bias_k, bias_v), snapshots, optional_tuple(ring_k, ring_v, ring_g, ring_beta),
+                   scale, lower_bound, norm_gate, norm_weight, norm_eps, backend)
+
+
 def mtp_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, *,
                conv_weights=None, conv_states=None, intermediate_conv=None, conv_bias=None,
                snapshots=None, rings=None, scale=None, lower_bound=None, norm_gate=None, norm_weight=None,
@@ -339,16 +391,43 @@ def mtp_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indic
                      conv_bias=conv_bias, snapshots=snapshots, rings=rings, lower_bound=lower_bound,
                      norm_gate=norm_gate, norm_weight=norm_weight, full_checks=full_checks)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    if torch.compiler.is_compiling() or type(q) is not torch.Tensor:  # traced: kdakit/custom_ops.py
-        from ..custom_ops import mtp_verify_tensors
-        torch.ops.kdakit.mtp_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, out,
-                                    *mtp_verify_tensors(conv_weights, conv_states, intermediate_conv, conv_bias,
-                                                        snapshots, rings),
-                                    float(scale), None if lower_bound is None else float(lower_bound), norm_gate,
-                                    norm_weight, float(norm_eps), backend)
-        return out
-    _, impl = select("mtp_verify", q.device, backend)
-    return impl(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, out,
-                conv_weights=conv_weights, conv_states=conv_states, intermediate_conv=intermediate_conv,
-                conv_bias=conv_bias, snapshots=snapshots, rings=rings, scale=scale, lower_bound=lower_bound,
-                norm_gate=norm_gate, norm_weight=norm_weight, norm_eps=norm_eps)
+    mtp_verify_op(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, out, conv_weights, conv_states,
+                  intermediate_conv, conv_bias, snapshots, rings, scale, lower_bound, norm_gate, norm_weight, norm_eps,
+                  backend)
+    return out
+
+
+@mtp_verify_op.register_example
+def _example(seed, device="cpu", *, mode="snapshot", out=True):
+    """``mode``: ``"snapshot"`` (conv bias too) or ``"ring"`` (the output norm too)."""
+    g = example_rng(seed)
+    N, T, H, HV, K, V, W, slots, scratch = 3, 3, 1, 2, 8, 16, 4, 5, 3
+    bf16 = torch.bfloat16
+    channels = (H * K, H * K, HV * V)
+    args = (example_randn(g, N, T, H, K, dtype=bf16, device=device),
+            example_randn(g, N, T, H, K, dtype=bf16, device=device),
+            example_randn(g, N, T, HV, V, dtype=bf16, device=device),
+            example_randn(g, N, T, HV, K, dtype=bf16, device=device),
+            example_randn(g, N, T, HV, dtype=bf16, device=device), example_rand(g, HV, device=device),
+            example_randn(g, HV * K, scale=0.5, device=device),
+            example_randn(g, slots, HV, V, K, scale=0.5, device=device), example_index(4, -1, 1, device=device),
+            example_index(0, 2, 1, device=device))
+    kw = dict(conv_weights=tuple(example_randn(g, c, W, scale=0.5, device=device) for c in channels),
+              conv_states=tuple(example_randn(g, slots, c, W - 1, dtype=bf16, device=device) for c in channels),
+              intermediate_conv=tuple(torch.full((scratch, T + 1, c, W - 1), 7.0, dtype=bf16, device=device)
+                                      for c in channels),
+              lower_bound=-5.0)
+    if mode == "snapshot":
+        kw["snapshots"] = torch.full((scratch, T + 1, HV, V, K), 7.0, device=device)
+        kw.update(conv_bias=tuple(example_randn(g, c, scale=0.1, device=device) for c in channels))
+    else:
+        L = T + 1
+        kw["rings"] = (torch.full((slots, H, L, K), 7.0, dtype=bf16, device=device),
+                       torch.full((slots, HV, L, V), 7.0, dtype=bf16, device=device),
+                       torch.full((slots, HV, L, K), 7.0, device=device),
+                       torch.full((slots, HV, L), 7.0, device=device))
+        kw.update(norm_gate=example_randn(g, N, T, HV, V, dtype=bf16, device=device),
+                  norm_weight=example_rand(g, V, device=device) + 0.5)
+    if out:
+        kw["out"] = torch.full((N, T, HV, V), 7.0, dtype=bf16, device=device)
+    return mtp_verify, args, kw

@@ -15,6 +15,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from .. import contracts, errors, reference
 from ..backends import forced_backend, register, select
 from .launch import CachedKernel, cdiv, next_power_of_2
+from .registry import example_index, example_pool, example_rand, example_randn, example_rng, kdakit_op
 from .triton_math import count_bad_row, delta_rule_update, kda_log_decay, l2_normalize, mask_if
 
 
@@ -142,6 +143,15 @@ def packed_decode_reference(mixed_qkv, a, b, A_log, dt_bias, state, slot_indices
                                    scale=scale, use_qk_l2norm=use_qk_l2norm, lower_bound=lower_bound)
 
 
+@kdakit_op("packed_decode", mutates=("state", "out"))
+def packed_decode_op(mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
+                     dt_bias: torch.Tensor, state: torch.Tensor, slot_indices: torch.Tensor, out: torch.Tensor,
+                     scale: float, use_qk_l2norm: bool, lower_bound: float | None, backend: str | None) -> None:
+    _, impl = select("packed_decode", mixed_qkv.device, backend)
+    impl(mixed_qkv, a, b, A_log, dt_bias, state, slot_indices, out,
+         scale=scale, use_qk_l2norm=use_qk_l2norm, lower_bound=lower_bound)
+
+
 def packed_decode(mixed_qkv, a, b, A_log, dt_bias, state, slot_indices, out=None, *,
                   scale=None, use_qk_l2norm=True, lower_bound=None, backend=None, full_checks=None):
     """One-token KDA decode for ``B`` requests over ``state [slots, HV, V, K]``.
@@ -156,14 +166,23 @@ def packed_decode(mixed_qkv, a, b, A_log, dt_bias, state, slot_indices, out=None
     contracts.check_packed_decode(mixed_qkv, a, b, A_log, dt_bias, state, out, slot_indices, lower_bound=lower_bound,
                                   helion=(backend or forced_backend()) == "helion", full_checks=full_checks)
     scale = state.shape[-1] ** -0.5 if scale is None else scale
-    if torch.compiler.is_compiling() or type(mixed_qkv) is not torch.Tensor:  # traced: kdakit/custom_ops.py
-        torch.ops.kdakit.packed_decode(mixed_qkv, a, b, A_log, dt_bias, state, slot_indices, out, float(scale),
-                                       bool(use_qk_l2norm), None if lower_bound is None else float(lower_bound),
-                                       backend)
-        return out
-    _, impl = select("packed_decode", mixed_qkv.device, backend)
-    return impl(mixed_qkv, a, b, A_log, dt_bias, state, slot_indices, out,
-                scale=scale, use_qk_l2norm=use_qk_l2norm, lower_bound=lower_bound)
+    packed_decode_op(mixed_qkv, a, b, A_log, dt_bias, state, slot_indices, out, scale, use_qk_l2norm, lower_bound,
+                     backend)
+    return out
+
+
+@packed_decode_op.register_example
+def _example(seed, device="cpu", *, act=torch.bfloat16, out=True):
+    g = example_rng(seed)
+    B, H, HV, K, V, slots = 3, 1, 2, 8, 16, 5
+    args = (example_randn(g, B, 2 * H * K + HV * V, dtype=act, device=device),
+            example_randn(g, B, HV * K, dtype=act, device=device), example_randn(g, B, HV, dtype=act, device=device),
+            example_rand(g, HV, device=device), example_randn(g, HV * K, scale=0.5, device=device),
+            example_pool(g, slots, HV, V, K, device=device), example_index(3, -1, 0, device=device))
+    kw = dict(lower_bound=-2.0)
+    if out:
+        kw["out"] = torch.full((B, 1, HV, V), 7.0, dtype=act, device=device)
+    return packed_decode, args, kw
 
 
 # Registers the helion backend; helion itself is imported only when that backend runs.

@@ -28,6 +28,7 @@ import triton.language as tl
 from .. import contracts, errors, reference
 from ..backends import register, select
 from .launch import CachedKernel, cdiv, next_power_of_2
+from .registry import example_index, example_pool, example_rand, example_randn, example_rng, kdakit_op
 from .triton_math import count_bad_row, delta_rule_update, kda_log_decay, l2_normalize, mask_if
 
 # How beta becomes β: as given, sigmoid of a logit, or 2·sigmoid (fla's allow_neg_eigval).
@@ -309,6 +310,23 @@ def run_recurrent_forward(q, k, v, g, beta, state, slot_indices, out, *, cu_seql
                 zero_uncovered=zero_uncovered)
 
 
+@kdakit_op("recurrent_forward", mutates=("state", "out", "token_states", "final_states"))
+def recurrent_forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                         state: torch.Tensor, slot_indices: torch.Tensor, out: torch.Tensor,
+                         cu_seqlens: torch.Tensor | None, scale: float | None, use_qk_l2norm: bool,
+                         A_log: torch.Tensor | None, dt_bias: torch.Tensor | None, lower_bound: float | None,
+                         beta_mode: int, num_accepted_tokens: torch.Tensor | None, token_states: torch.Tensor | None,
+                         write_final_state: bool, final_states: torch.Tensor | None, padding_rows: bool,
+                         backend: str | None) -> None:
+    """``beta_mode`` is one of ``BETA_*``; ``final_states`` is fla's non-in-place output (the
+    public native entry passes None)."""
+    run_recurrent_forward(q, k, v, g, beta, state, slot_indices, out, cu_seqlens=cu_seqlens, scale=scale,
+                          use_qk_l2norm=use_qk_l2norm, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+                          beta_mode=beta_mode, num_accepted_tokens=num_accepted_tokens, token_states=token_states,
+                          write_final_state=write_final_state, final_states=final_states, padding_rows=padding_rows,
+                          backend=backend)
+
+
 def recurrent_forward(q, k, v, g, beta, state, slot_indices, *, cu_seqlens=None, scale=None, use_qk_l2norm=True,
                       A_log=None, dt_bias=None, lower_bound=None, beta_is_logit=False, num_accepted_tokens=None,
                       token_states=None, write_final_state=True, out=None, full_checks=None, backend=None):
@@ -328,15 +346,23 @@ def recurrent_forward(q, k, v, g, beta, state, slot_indices, *, cu_seqlens=None,
                                       A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
                                       num_accepted_tokens=num_accepted_tokens, token_states=token_states,
                                       full_checks=full_checks)
-    if torch.compiler.is_compiling() or type(q) is not torch.Tensor:  # traced: kdakit/custom_ops.py
-        torch.ops.kdakit.recurrent_forward(q, k, v, g, beta, state, slot_indices, out, cu_seqlens,
-                                           None if scale is None else float(scale), bool(use_qk_l2norm), A_log,
-                                           dt_bias, None if lower_bound is None else float(lower_bound),
-                                           BETA_SIGMOID if beta_is_logit else BETA_AS_IS, num_accepted_tokens,
-                                           token_states, bool(write_final_state), None, True, backend)
-        return out
-    return run_recurrent_forward(q, k, v, g, beta, state, slot_indices, out, cu_seqlens=cu_seqlens, scale=scale,
-                                 use_qk_l2norm=use_qk_l2norm, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
-                                 beta_mode=BETA_SIGMOID if beta_is_logit else BETA_AS_IS,
-                                 num_accepted_tokens=num_accepted_tokens, token_states=token_states,
-                                 write_final_state=write_final_state, backend=backend)
+    recurrent_forward_op(q, k, v, g, beta, state, slot_indices, out, cu_seqlens, scale, use_qk_l2norm, A_log, dt_bias,
+                         lower_bound, BETA_SIGMOID if beta_is_logit else BETA_AS_IS, num_accepted_tokens, token_states,
+                         write_final_state, None, True, backend)
+    return out
+
+
+@recurrent_forward_op.register_example
+def _example(seed, device="cpu", *, out=True):
+    g = example_rng(seed)
+    T, H, HV, K, V, slots = 5, 1, 2, 8, 16, 5
+    args = (example_randn(g, 1, T, H, K, device=device), example_randn(g, 1, T, H, K, device=device),
+            example_randn(g, 1, T, HV, V, device=device), example_randn(g, 1, T, HV, K, device=device),
+            example_randn(g, 1, T, HV, device=device), example_pool(g, slots, HV, V, K, device=device),
+            example_index(3, -1, 0, device=device))
+    kw = dict(cu_seqlens=example_index(0, 2, 3, 5, device=device), A_log=example_rand(g, HV, device=device),
+              dt_bias=example_randn(g, HV * K, scale=0.5, device=device), lower_bound=-3.0, beta_is_logit=True,
+              token_states=torch.full((T, HV, V, K), 7.0, device=device))
+    if out:
+        kw["out"] = torch.full((1, T, HV, V), 7.0, device=device)
+    return recurrent_forward, args, kw

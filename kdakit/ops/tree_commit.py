@@ -101,6 +101,19 @@ def commit_tree_ring_reference(state, ring_k, ring_v, ring_g, ring_beta, slot_in
     reference.commit_tree_ring(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, paths, accept_lens, **kwargs)
 
 
+from .registry import example_index, example_rand, example_randn, example_rng, kdakit_op  # noqa: E402
+
+
+@kdakit_op("commit_tree_ring", mutates=("state",))
+def commit_tree_ring_op(state: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor, ring_g: torch.Tensor,
+                        ring_beta: torch.Tensor, slot_indices: torch.Tensor, paths: torch.Tensor,
+                        accept_lens: torch.Tensor, use_qk_l2norm: bool, null_block_id: int,
+                        backend: str | None) -> None:
+    _, impl = select("commit_tree_ring", state.device, backend)
+    impl(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, paths, accept_lens, use_qk_l2norm=use_qk_l2norm,
+         null_block_id=null_block_id)
+
+
 def commit_tree_ring(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, paths, accept_lens, *,
                      use_qk_l2norm=True, null_block_id=-1, backend=None, full_checks=None):
     """Fold the accepted path of request ``n`` (``paths[n, :accept_lens[n]]``: node ids, node
@@ -132,10 +145,20 @@ def commit_tree_ring(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, pat
             nodes = paths[n, :steps]
             if bool(((nodes < 0) | (nodes >= L)).any()):
                 contracts.fail(f"`paths` holds node ids {nodes.tolist()} for request {n}, outside the rings (L={L}).")
-    if torch.compiler.is_compiling() or type(state) is not torch.Tensor:  # traced: kdakit/custom_ops.py
-        torch.ops.kdakit.commit_tree_ring(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, paths, accept_lens,
-                                          bool(use_qk_l2norm), int(null_block_id), backend)
-        return
-    _, impl = select("commit_tree_ring", state.device, backend)
-    impl(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, paths, accept_lens, use_qk_l2norm=use_qk_l2norm,
-         null_block_id=null_block_id)
+    commit_tree_ring_op(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, paths, accept_lens, use_qk_l2norm,
+                        null_block_id, backend)
+
+
+@commit_tree_ring_op.register_example
+def _example(seed, device="cpu"):
+    """Accepted paths of 3, 2 and 1 nodes, and a padding row."""
+    g = example_rng(seed)
+    H, HV, K, V, slots, L = 1, 2, 8, 16, 6, 5
+    bf16 = torch.bfloat16
+    args = (example_randn(g, slots, HV, V, K, scale=0.5, device=device),
+            example_randn(g, slots, H, L, K, dtype=bf16, device=device),
+            example_randn(g, slots, HV, L, V, dtype=bf16, device=device), -example_rand(g, slots, HV, L, K, device=device),
+            example_rand(g, slots, HV, L, device=device), example_index(4, -1, 1, 2, device=device),
+            torch.tensor([[0, 1, 3, -1], [0, 2, 4, -1], [0, 2, -1, -1], [0, -1, -1, -1]], dtype=torch.int32,
+                         device=device), example_index(3, 4, 2, 1, device=device))
+    return commit_tree_ring, args, dict(null_block_id=-1)

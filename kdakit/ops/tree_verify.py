@@ -269,6 +269,47 @@ def check_tree_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratc
                            f"{n}: a node's parent must be -1 (the committed state) or an earlier node (0 <= p < t).")
 
 
+from .mtp_verify import mtp_verify_tensors, optional_tuple  # noqa: E402
+from .registry import example_index, example_rand, example_randn, example_rng, kdakit_op  # noqa: E402
+
+
+def run_tree_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, parents, out, conv_weights,
+                    conv_states, intermediate_conv, conv_bias, snapshots, rings, scale, lower_bound, norm_gate,
+                    norm_weight, norm_eps, backend):
+    """Dispatch after validation, the tuples as the public entry takes them."""
+    _, impl = select("tree_verify", q.device, backend)
+    impl(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, parents, out,
+         conv_weights=conv_weights, conv_states=conv_states, intermediate_conv=intermediate_conv,
+         conv_bias=conv_bias, snapshots=snapshots, rings=rings, scale=scale, lower_bound=lower_bound,
+         norm_gate=norm_gate, norm_weight=norm_weight, norm_eps=norm_eps)
+
+
+def _schema_args(*args):
+    """The custom op's arguments: ``mtp_verify_tensors`` of the six tuple-or-None arguments."""
+    return (*args[:12], *mtp_verify_tensors(*args[12:18]), *args[18:])
+
+
+@kdakit_op("tree_verify", mutates=("out", "ic_q", "ic_k", "ic_v", "snapshots", "ring_k", "ring_v", "ring_g",
+                                   "ring_beta"), dispatch=run_tree_verify, flatten=_schema_args)
+def tree_verify_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                   A_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor, slot_indices: torch.Tensor,
+                   scratch_indices: torch.Tensor, parents: torch.Tensor, out: torch.Tensor,
+                   w_q: torch.Tensor | None, w_k: torch.Tensor | None, w_v: torch.Tensor | None,
+                   cs_q: torch.Tensor | None, cs_k: torch.Tensor | None, cs_v: torch.Tensor | None,
+                   ic_q: torch.Tensor | None, ic_k: torch.Tensor | None, ic_v: torch.Tensor | None,
+                   bias_q: torch.Tensor | None, bias_k: torch.Tensor | None, bias_v: torch.Tensor | None,
+                   snapshots: torch.Tensor | None, ring_k: torch.Tensor | None, ring_v: torch.Tensor | None,
+                   ring_g: torch.Tensor | None, ring_beta: torch.Tensor | None, scale: float,
+                   lower_bound: float | None, norm_gate: torch.Tensor | None, norm_weight: torch.Tensor | None,
+                   norm_eps: float, backend: str | None) -> None:
+    """The tensors as ``mtp_verify``'s (``mtp_verify_tensors``), then the same scalars."""
+    run_tree_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, parents, out,
+                    optional_tuple(w_q, w_k, w_v), optional_tuple(cs_q, cs_k, cs_v), optional_tuple(ic_q, ic_k, ic_v),
+                    optional_tuple(bias_q, bias_k, bias_v), snapshots,
+                    optional_tuple(ring_k, ring_v, ring_g, ring_beta), scale, lower_bound, norm_gate, norm_weight,
+                    norm_eps, backend)
+
+
 def tree_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, parents, out=None, *,
                 conv_weights=None, conv_states=None, intermediate_conv=None, conv_bias=None, snapshots=None,
                 norm_gate=None, norm_weight=None, norm_eps=1e-6, scale=None, lower_bound=None, full_checks=None,
@@ -293,16 +334,42 @@ def tree_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indi
                       conv_bias=conv_bias, snapshots=snapshots, lower_bound=lower_bound, norm_gate=norm_gate,
                       norm_weight=norm_weight, rings=rings, full_checks=full_checks)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    if torch.compiler.is_compiling() or type(q) is not torch.Tensor:  # traced: kdakit/custom_ops.py
-        from ..custom_ops import mtp_verify_tensors
-        torch.ops.kdakit.tree_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, parents,
-                                     out, *mtp_verify_tensors(conv_weights, conv_states, intermediate_conv, conv_bias,
-                                                              snapshots, rings),
-                                     float(scale), None if lower_bound is None else float(lower_bound), norm_gate,
-                                     norm_weight, float(norm_eps), backend)
-        return out
-    _, impl = select("tree_verify", q.device, backend)
-    return impl(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, parents, out,
-                conv_weights=conv_weights, conv_states=conv_states, intermediate_conv=intermediate_conv,
-                conv_bias=conv_bias, snapshots=snapshots, rings=rings, scale=scale, lower_bound=lower_bound,
-                norm_gate=norm_gate, norm_weight=norm_weight, norm_eps=norm_eps)
+    tree_verify_op(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, parents, out, conv_weights,
+                   conv_states, intermediate_conv, conv_bias, snapshots, rings, scale, lower_bound, norm_gate,
+                   norm_weight, norm_eps, backend)
+    return out
+
+
+@tree_verify_op.register_example
+def _example(seed, device="cpu", *, mode="snapshot"):
+    """A 4-node tree per request (node 0, two children, a grandchild), the conv prologue; ``mode``:
+    ``"snapshot"`` (conv bias too) or ``"ring"`` (the output norm too)."""
+    g = example_rng(seed)
+    N, T, H, HV, K, V, W, slots, scratch = 3, 4, 1, 2, 8, 16, 4, 5, 3
+    bf16 = torch.bfloat16
+    channels = (H * K, H * K, HV * V)
+    args = (example_randn(g, N, T, H, K, dtype=bf16, device=device),
+            example_randn(g, N, T, H, K, dtype=bf16, device=device),
+            example_randn(g, N, T, HV, V, dtype=bf16, device=device),
+            example_randn(g, N, T, HV, K, dtype=bf16, device=device),
+            example_randn(g, N, T, HV, dtype=bf16, device=device), example_rand(g, HV, device=device),
+            example_randn(g, HV * K, scale=0.5, device=device),
+            example_randn(g, slots, HV, V, K, scale=0.5, device=device), example_index(4, -1, 1, device=device),
+            example_index(0, 2, 1, device=device),
+            torch.tensor([[-1, 0, 0, 1], [-1, 0, 1, 2], [-1, 0, 0, 2]], dtype=torch.int32, device=device))
+    kw = dict(conv_weights=tuple(example_randn(g, c, W, scale=0.5, device=device) for c in channels),
+              conv_states=tuple(example_randn(g, slots, c, W - 1, dtype=bf16, device=device) for c in channels),
+              intermediate_conv=tuple(torch.full((scratch, T, c, W - 1), 7.0, dtype=bf16, device=device)
+                                      for c in channels),
+              lower_bound=-5.0, out=torch.full((N, T, HV, V), 7.0, dtype=bf16, device=device))
+    if mode == "snapshot":
+        kw["snapshots"] = torch.full((scratch, T, HV, V, K), 7.0, device=device)
+        kw.update(conv_bias=tuple(example_randn(g, c, scale=0.1, device=device) for c in channels))
+    else:
+        kw["rings"] = (torch.full((slots, H, T, K), 7.0, dtype=bf16, device=device),
+                       torch.full((slots, HV, T, V), 7.0, dtype=bf16, device=device),
+                       torch.full((slots, HV, T, K), 7.0, device=device),
+                       torch.full((slots, HV, T), 7.0, device=device))
+        kw.update(norm_gate=example_randn(g, N, T, HV, V, dtype=bf16, device=device),
+                  norm_weight=example_rand(g, V, device=device) + 0.5)
+    return tree_verify, args, kw
