@@ -9,7 +9,8 @@ docs/design.md, with the projections of Kimi Linear around it:
   ``A_log [HV]``, ``dt_bias [HV*K]`` (default gate, or the safe gate with ``lower_bound``);
 - output ``o_proj(gated_rmsnorm(o, g_b_proj(g_a_proj(x)), o_norm_weight))``.
 
-Modes: ``prefill`` (``causal_conv1d_varlen`` over every prompt, then ``recurrent_forward``), ``decode``
+Modes: ``prefill`` (``causal_conv1d_varlen`` over every prompt, then ``chunk_prefill``, or
+``recurrent_forward`` for extends of a few tokens a sequence), ``decode``
 (``fused_decode``: conv + recurrence + output norm, a chain of dependent launches on Hopper), ``verify``
 (``mtp_verify`` with the conv fused, snapshots or rings, fused output norm) and ``commit``
 (``commit_snapshots``, or ``commit_ring`` plus the conv windows).
@@ -23,6 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .ops.chunk_prefill import chunk_prefill
 from .ops.commit import commit_ring, commit_snapshots
 from .ops.conv1d_varlen import causal_conv1d_varlen
 from .ops.fused_decode import fused_decode
@@ -32,6 +34,9 @@ from .ops.recurrent_forward import recurrent_forward
 from .ops.tree_commit import commit_tree_ring
 from .ops.tree_verify import tree_verify
 from .state_pool import LayerCache, StatePool
+
+
+PREFILL_CHUNK_FROM = 64  # see KDALayer.prefill_chunk_from (docs/tuning.md: how it was chosen)
 
 
 class KDALayer(nn.Module):
@@ -51,6 +56,9 @@ class KDALayer(nn.Module):
         self.H, self.HV = num_heads // tp_size, HV // tp_size  # this shard's heads
         self.K, self.V = head_k_dim, head_v_dim or head_k_dim
         self.lower_bound, self.norm_eps = lower_bound, norm_eps
+        # Mean tokens a sequence from which prefill takes the chunked forward (a 64-token chunk);
+        # shorter extends run token by token. Decided from shapes alone: no host sync.
+        self.prefill_chunk_from = PREFILL_CHUNK_FROM
         H, HV, K, V = self.H, self.HV, self.K, self.V
         lin = dict(bias=False, device=device, dtype=dtype)
         self.q_proj = nn.Linear(hidden_size, H * K, **lin)
@@ -149,11 +157,10 @@ class KDALayer(nn.Module):
         mixed = causal_conv1d_varlen(qkv, c.conv, self.conv_weight, cu_t, slot_t)
         a, b, gate = self._gate_inputs(x)
         q, k, v = torch.split(mixed, [H * K, H * K, HV * V], dim=-1)
-        o = recurrent_forward(q.reshape(1, T, H, K), k.reshape(1, T, H, K), v.reshape(1, T, HV, V),
-                              a.reshape(1, T, HV, K), b.reshape(1, T, HV), c.state, slot_t,
-                              cu_seqlens=cu_t,
-                              A_log=self.A_log, dt_bias=self.dt_bias, lower_bound=self.lower_bound,
-                              beta_is_logit=True)
+        forward = chunk_prefill if T >= self.prefill_chunk_from * slot_t.numel() else recurrent_forward
+        o = forward(q.reshape(1, T, H, K), k.reshape(1, T, H, K), v.reshape(1, T, HV, V),
+                    a.reshape(1, T, HV, K), b.reshape(1, T, HV), c.state, slot_t, cu_seqlens=cu_t,
+                    A_log=self.A_log, dt_bias=self.dt_bias, lower_bound=self.lower_bound, beta_is_logit=True)
         o = gated_rmsnorm(o[0], gate.view(T, HV, V), self.o_norm_weight, eps=self.norm_eps)
         return self.o_proj(o.reshape(T, HV * V))
 

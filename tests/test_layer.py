@@ -103,6 +103,28 @@ def test_varlen_prefill_and_batched_decode_with_padding():
     assert bool((pool.state[0, [0, 3]] == 0).all())
 
 
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("path", ["chunk", "recurrent"])
+@torch.no_grad()
+def test_prefill_paths_match_float64(path, backend, monkeypatch):
+    """Both forwards prefill takes (chunked for long prompts, token by token for short extends)
+    give the float64 layer; a prompt longer than a chunk and one shorter, continuing."""
+    monkeypatch.setenv("KDAKIT_BACKEND", backend)
+    layer = make_layer(-3.0 if path == "chunk" else None, seed=3)
+    layer.prefill_chunk_from = 1 if path == "chunk" else 10 ** 9
+    gen = torch.Generator().manual_seed(4)
+    xs = [torch.randn(n, HIDDEN, generator=gen) for n in (70, 5)]
+    pool = make_pool(layer)
+    slots = [pool.alloc() for _ in range(3)][1:]
+    layer.attach(pool, 0)
+    y = layer.prefill(torch.cat(xs), slots, cu_seqlens=[0, 70, 75])
+    for n, (lo, hi) in enumerate(((0, 70), (70, 75))):
+        ref, ref_state = naive_layer(layer, xs[n])
+        assert rel_err(y[lo:hi], ref) < 1e-5
+        assert rel_err(pool.state[0, slots[n]], ref_state) < 1e-5
+    assert bool((pool.state[0, [0, 3]] == 0).all()), "slots outside the batch must stay untouched"
+
+
 @pytest.mark.parametrize("spec", ["snapshot", "ring"])
 @torch.no_grad()
 def test_verify_commit_equals_plain_decode(spec):
