@@ -89,6 +89,8 @@ class ChunkConfig:
     dot_precision: str = "tf32"      # "tf32", "tf32x3" or "ieee"
     pipeline_stages: int = 2         # state kernel: chunks whose factors are in flight at once (1: none ahead)
     factor_safe_gate: bool = True    # safe gate: in-sub-block pairs factored too (|Γ| <= 16·5 = 80 there)
+    split_prep: bool = False         # the prep as three launches (token-parallel; exact in-sub-block
+    #                                  pairs, a program per sub-block; the rest): fewer registers each
 
 
 def chunk_config(N: int, HV: int, K: int, V: int, chunk: int = CHUNK_SIZE) -> ChunkConfig:
@@ -133,10 +135,14 @@ def _chunk_prep_kernel(
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, C: tl.constexpr, SLICE: tl.constexpr,
     USE_QK_L2NORM: tl.constexpr, GATE_IN_KERNEL: tl.constexpr, SAFE_GATE: tl.constexpr,
     BETA_MODE: tl.constexpr, DOT_PRECISION: tl.constexpr, FACTOR_DIAG: tl.constexpr,
+    PHASES: tl.constexpr, SUB_BLOCK_PROGRAMS: tl.constexpr,
 ):
     # Every phase reads what it needs back from the (L2-resident) workspace in 16-row or
     # SLICE-column pieces, so that no [C, K] tile outlives its phase: whole-chunk tiles kept
-    # live across phases spill registers.
+    # live across phases spill registers. PHASES (bits: 1 token-parallel, 2 the exact
+    # in-sub-block pairs, 4 the rest) lets a launch run some of them: split over launches,
+    # each kernel holds fewer registers, so more programs share an SM. SUB_BLOCK_PROGRAMS:
+    # one program per sub-block (program_id 2) instead of a loop over them.
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     c64 = i_c.to(tl.int64)
@@ -167,113 +173,131 @@ def _chunk_prep_kernel(
     wp = ws_p + ws_row * C
     p_ck = offs_c[:, None] * BLOCK_K + offs_k[None, :]
 
-    # ---- token-parallel: normalised k̂ and q̂ (scaled), the cumulative decay Γ ----
-    b_k = tl.load(k + tok[:, None] * stride_k_t + i_h * stride_k_h + offs_k[None, :], mask=mask_ck, other=0.0)
-    b_k = b_k.to(tl.float32)
-    if USE_QK_L2NORM:
-        b_k = b_k / tl.sqrt(tl.sum(b_k * b_k, axis=1) + 1e-6)[:, None]
-    tl.store(wk + p_ck, b_k)
-    b_q = tl.load(q + tok[:, None] * stride_q_t + i_h * stride_q_h + offs_k[None, :], mask=mask_ck, other=0.0)
-    b_q = b_q.to(tl.float32)
-    if USE_QK_L2NORM:
-        b_q = b_q / tl.sqrt(tl.sum(b_q * b_q, axis=1) + 1e-6)[:, None]
-    tl.store(wq + p_ck, b_q * scale)
-    b_g = tl.load(g + tok[:, None] * stride_g_t + i_hv * stride_g_h + offs_k[None, :], mask=mask_ck, other=0.0)
-    b_g = b_g.to(tl.float32)
-    if GATE_IN_KERNEL:
-        A_h = tl.load(A_log + i_hv).to(tl.float32)
-        bias = tl.load(dt_bias + i_hv * K + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-        b_g = kda_log_decay(b_g, bias[None, :], A_h, lower_bound, SAFE_GATE)
-    b_g = tl.where(mask_ck, b_g, 0.0)  # rows past the chunk's tokens: no decay, so Γ_C is the last token's
-    tl.store(ww + p_ck, tl.cumsum(b_g, axis=0))  # Γ: chunk-local, inclusive, <= 0 and non-increasing
+    if PHASES & 1:
+        # ---- token-parallel: normalised k̂ and q̂ (scaled), the cumulative decay Γ ----
+        b_k = tl.load(k + tok[:, None] * stride_k_t + i_h * stride_k_h + offs_k[None, :], mask=mask_ck, other=0.0)
+        b_k = b_k.to(tl.float32)
+        if USE_QK_L2NORM:
+            b_k = b_k / tl.sqrt(tl.sum(b_k * b_k, axis=1) + 1e-6)[:, None]
+        tl.store(wk + p_ck, b_k)
+        b_q = tl.load(q + tok[:, None] * stride_q_t + i_h * stride_q_h + offs_k[None, :], mask=mask_ck, other=0.0)
+        b_q = b_q.to(tl.float32)
+        if USE_QK_L2NORM:
+            b_q = b_q / tl.sqrt(tl.sum(b_q * b_q, axis=1) + 1e-6)[:, None]
+        tl.store(wq + p_ck, b_q * scale)
+        b_g = tl.load(g + tok[:, None] * stride_g_t + i_hv * stride_g_h + offs_k[None, :], mask=mask_ck, other=0.0)
+        b_g = b_g.to(tl.float32)
+        if GATE_IN_KERNEL:
+            A_h = tl.load(A_log + i_hv).to(tl.float32)
+            bias = tl.load(dt_bias + i_hv * K + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+            b_g = kda_log_decay(b_g, bias[None, :], A_h, lower_bound, SAFE_GATE)
+        b_g = tl.where(mask_ck, b_g, 0.0)  # rows past the chunk's tokens: no decay, so Γ_C is the last token's
+        tl.store(ww + p_ck, tl.cumsum(b_g, axis=0))  # Γ: chunk-local, inclusive, <= 0 and non-increasing
     tl.debug_barrier()
 
-    # ---- A (β-scaled, strictly lower) and P (lower), one 16-row sub-block i at a time ----
-    # Pairs inside sub-block i: exact decays, element-wise, a column at a time. Pairs
-    # with sub-block j < i: factored at the boundary b before sub-block i (the last token of
-    # sub-block i-1), e^(Γ_s - Γ_b) · e^(Γ_b - Γ_r), both <= 1: one 16 x 16 product a pair.
+    # ---- A (β-scaled, strictly lower) and P (lower) ----
+    # Pairs inside a 16-token sub-block: exact decays, element-wise, a column at a time (the
+    # default gate is unbounded: no factoring there). Pairs with an earlier sub-block j, one
+    # column block at a time over all the rows below it: factored at the last token b of
+    # sub-block j, e^(Γ_s - Γ_b) · e^(Γ_b - Γ_r), both <= 1 (a [C, K] x [K, 16] product: the
+    # rows split over the warps; 16-row products would copy their left operand into every warp).
     offs_s = tl.arange(0, 16)
-    causal = offs_s[:, None] >= offs_s[None, :]
-    for i in range(NB):  # a loop, not unrolled: unrolled sub-blocks keep each other's tiles live
-        rows = i * 16 + offs_s
-        live_i = rows < n_tok
-        beta_i = tl.load(beta + (t0 + rows) * stride_b_t + i_hv * stride_b_h, mask=live_i, other=0.0)
-        beta_i = beta_i.to(tl.float32)
-        if BETA_MODE == 1:
-            beta_i = tl.sigmoid(beta_i)
-        if BETA_MODE == 2:
-            beta_i = tl.sigmoid(beta_i) * 2.0
-        beta_i = tl.where(live_i, beta_i, 0.0)
-        p_blk = rows[:, None] * C + offs_s[None, :]  # + j * 16: block (i, j) of the [C, C] workspaces
+    if PHASES & 2:
         if not FACTOR_DIAG:
-            # One column r of the block per step, all rows s at once: [16, K] tiles in one
-            # layout (a [16, 16, K] broadcast would move data through shared memory).
-            p_rk = rows[:, None] * BLOCK_K + offs_k[None, :]
-            k_i = tl.load(wk + p_rk)
-            q_i = tl.load(wq + p_rk)
-            G_i = tl.load(ww + p_rk)
-            for r in range(16):
-                k_r = tl.load(wk + (i * 16 + r) * BLOCK_K + offs_k)
-                G_r = tl.load(ww + (i * 16 + r) * BLOCK_K + offs_k)
-                kr = k_r[None, :] * tl.exp(tl.where((offs_s >= r)[:, None], G_i - G_r[None, :], float("-inf")))
-                a_col = tl.sum(k_i * kr, axis=1) * beta_i
-                p_col = tl.sum(q_i * kr, axis=1)
-                tl.store(wa + rows * C + i * 16 + r, tl.where(offs_s > r, a_col, 0.0))
-                tl.store(wp + rows * C + i * 16 + r, p_col)
-        # Γ_b: the last token of sub-block i-1 (none before the chunk: Γ = 0 there)
-        G_ref = tl.load(ww + (i * 16 - 1) * BLOCK_K + offs_k, mask=(offs_k * 0 + i) > 0, other=0.0)
-        p_rk = rows[:, None] * BLOCK_K + offs_k[None, :]
-        left = tl.exp(tl.load(ww + p_rk) - G_ref[None, :])  # [16, BLOCK_K], <= 1
-        k_left = tl.load(wk + p_rk) * left * beta_i[:, None]
-        q_left = tl.load(wq + p_rk) * left
-        for j in range(0, i + 1 if FACTOR_DIAG else i):
-            p_jk = (j * 16 + offs_s)[:, None] * BLOCK_K + offs_k[None, :]
-            # <= 1 for j < i; inside sub-block i (safe gate only) <= e^(16 · 5)
-            right = tl.trans(tl.load(wk + p_jk) * tl.exp(G_ref[None, :] - tl.load(ww + p_jk)))
-            a_ij = tl.dot(k_left, right, input_precision=DOT_PRECISION)
-            p_ij = tl.dot(q_left, right, input_precision=DOT_PRECISION)
-            if FACTOR_DIAG:  # the diagonal block: strictly lower (A), lower (P)
-                a_ij = tl.where((offs_s[:, None] > offs_s[None, :]) | (j < i), a_ij, 0.0)
-                p_ij = tl.where(causal | (j < i), p_ij, 0.0)
-            tl.store(wa + p_blk + j * 16, a_ij)
-            tl.store(wp + p_blk + j * 16, p_ij)
+            for i in range(NB):  # a loop, not unrolled: unrolled sub-blocks keep each other's tiles live
+                if SUB_BLOCK_PROGRAMS:
+                    run = i == tl.program_id(2)
+                else:
+                    run = i >= 0
+                if run:
+                    rows = i * 16 + offs_s
+                    beta_i = _beta_values(beta, t0 + rows, rows < n_tok, stride_b_t, stride_b_h, i_hv, BETA_MODE)
+                    # One column r of the block per step, all rows s at once: [16, K] tiles in
+                    # one layout (a [16, 16, K] broadcast would move data through shared memory).
+                    p_rk = rows[:, None] * BLOCK_K + offs_k[None, :]
+                    k_i = tl.load(wk + p_rk)
+                    q_i = tl.load(wq + p_rk)
+                    G_i = tl.load(ww + p_rk)
+                    for r in range(16):
+                        k_r = tl.load(wk + (i * 16 + r) * BLOCK_K + offs_k)
+                        G_r = tl.load(ww + (i * 16 + r) * BLOCK_K + offs_k)
+                        d = tl.where((offs_s >= r)[:, None], G_i - G_r[None, :], float("-inf"))
+                        kr = k_r[None, :] * tl.exp(d)
+                        a_col = tl.sum(k_i * kr, axis=1) * beta_i
+                        p_col = tl.sum(q_i * kr, axis=1)
+                        tl.store(wa + rows * C + i * 16 + r, tl.where(offs_s > r, a_col, 0.0))
+                        tl.store(wp + rows * C + i * 16 + r, p_col)
+    b_beta = _beta_values(beta, tok, mask_c, stride_b_t, stride_b_h, i_hv, BETA_MODE)
+    if PHASES & 4:
+        offs_n = tl.arange(0, SLICE)
+        # Under the safe gate (|Γ_s - Γ_r| < 80 inside a sub-block) column block j takes its own
+        # rows too, factored at the token before it (one positive exponent, bounded by e^80).
+        for j in range(NB if FACTOR_DIAG else NB - 1):
+            if FACTOR_DIAG:
+                ref = j * 16 - 1
+                first = j * 16
+            else:
+                ref = j * 16 + 15
+                first = j * 16 + 16
+            below = offs_c >= first
+            acc_a = tl.zeros([C, 16], dtype=tl.float32)
+            acc_p = tl.zeros([C, 16], dtype=tl.float32)
+            for kk in tl.static_range(0, BLOCK_K, SLICE):
+                G_ref = tl.load(ww + ref * BLOCK_K + kk + offs_n, mask=(offs_n * 0 + ref) >= 0, other=0.0)
+                p_sl = offs_c[:, None] * BLOCK_K + kk + offs_n[None, :]
+                left = tl.exp(tl.where(below[:, None], tl.load(ww + p_sl) - G_ref[None, :], float("-inf")))
+                p_jk = (j * 16 + offs_s)[:, None] * BLOCK_K + kk + offs_n[None, :]
+                right = tl.trans(tl.load(wk + p_jk) * tl.exp(G_ref[None, :] - tl.load(ww + p_jk)))  # [SLICE, 16]
+                acc_a = tl.dot(tl.load(wk + p_sl) * left, right, acc_a, input_precision=DOT_PRECISION)
+                acc_p = tl.dot(tl.load(wq + p_sl) * left, right, acc_p, input_precision=DOT_PRECISION)
+            col = j * 16 + offs_s
+            keep_a = below[:, None] & (offs_c[:, None] > col[None, :])  # strictly lower (its own block: safe gate)
+            keep_p = below[:, None] & (offs_c[:, None] >= col[None, :])
+            p_col = offs_c[:, None] * C + col[None, :]
+            tl.store(wa + p_col, tl.where(keep_a, acc_a * b_beta[:, None], 0.0), mask=below[:, None])
+            tl.store(wp + p_col, tl.where(keep_p, acc_p, 0.0), mask=below[:, None])
     tl.debug_barrier()
 
-    # ---- T = (I + A)^-1 in place of A ----
-    _invert_unit_lower(wa, C, NB, DOT_PRECISION)
-    tl.debug_barrier()
-
-    # ---- w = T diag(β)(k̂ ⊙ e^Γ), u = T diag(β) v, q̂ ⊙ e^Γ, k̂ ⊙ e^(Γ_C - Γ), e^Γ_C ----
-    # in SLICE-column pieces (each piece's reads are done before its writes)
-    p_cc = offs_c[:, None] * C + offs_c[None, :]
-    blk = offs_c // 16
-    b_T = tl.load(wa + p_cc, mask=blk[:, None] >= blk[None, :], other=0.0)
-    b_beta = tl.load(beta + tok * stride_b_t + i_hv * stride_b_h, mask=mask_c, other=0.0).to(tl.float32)
-    if BETA_MODE == 1:
-        b_beta = tl.sigmoid(b_beta)
-    if BETA_MODE == 2:
-        b_beta = tl.sigmoid(b_beta) * 2.0
-    b_beta = tl.where(mask_c, b_beta, 0.0)
-    offs_n = tl.arange(0, SLICE)
-    for kk in tl.static_range(0, BLOCK_K, SLICE):
-        p_sl = offs_c[:, None] * BLOCK_K + kk + offs_n[None, :]
-        G = tl.load(ww + p_sl)
-        G_last = tl.load(ww + (C - 1) * BLOCK_K + kk + offs_n)
-        kn = tl.load(wk + p_sl)
-        qn = tl.load(wq + p_sl)
-        e_G = tl.exp(G)
-        b_w = tl.dot(b_T, kn * e_G * b_beta[:, None], input_precision=DOT_PRECISION)
+    if PHASES & 4:
+        # ---- T = (I + A)^-1 in place of A ----
+        _invert_unit_lower(wa, C, NB, DOT_PRECISION)
         tl.debug_barrier()
-        tl.store(ww + p_sl, b_w)
-        tl.store(wq + p_sl, qn * e_G)
-        tl.store(wk + p_sl, kn * tl.exp(G_last[None, :] - G))
-        tl.store(ws_g + (c64 * HV + i_hv) * BLOCK_K + kk + offs_n, tl.exp(G_last))
-    for vv in tl.static_range(0, BLOCK_V, SLICE):
-        offs_v = vv + offs_n
-        b_v = tl.load(v + tok[:, None] * stride_v_t + i_hv * stride_v_h + offs_v[None, :],
-                      mask=mask_c[:, None] & (offs_v < V)[None, :], other=0.0).to(tl.float32)
-        b_u = tl.dot(b_T, b_v * b_beta[:, None], input_precision=DOT_PRECISION)
-        tl.store(ws_u + ws_row * BLOCK_V + offs_c[:, None] * BLOCK_V + offs_v[None, :], b_u)
+
+        # ---- w = T diag(β)(k̂ ⊙ e^Γ), u = T diag(β) v, q̂ ⊙ e^Γ, k̂ ⊙ e^(Γ_C - Γ), e^Γ_C ----
+        # in SLICE-column pieces (each piece's reads are done before its writes)
+        p_cc = offs_c[:, None] * C + offs_c[None, :]
+        blk = offs_c // 16
+        b_T = tl.load(wa + p_cc, mask=blk[:, None] >= blk[None, :], other=0.0)
+        for kk in tl.static_range(0, BLOCK_K, SLICE):
+            p_sl = offs_c[:, None] * BLOCK_K + kk + offs_n[None, :]
+            G = tl.load(ww + p_sl)
+            G_last = tl.load(ww + (C - 1) * BLOCK_K + kk + offs_n)
+            kn = tl.load(wk + p_sl)
+            qn = tl.load(wq + p_sl)
+            e_G = tl.exp(G)
+            b_w = tl.dot(b_T, kn * e_G * b_beta[:, None], input_precision=DOT_PRECISION)
+            tl.debug_barrier()
+            tl.store(ww + p_sl, b_w)
+            tl.store(wq + p_sl, qn * e_G)
+            tl.store(wk + p_sl, kn * tl.exp(G_last[None, :] - G))
+            tl.store(ws_g + (c64 * HV + i_hv) * BLOCK_K + kk + offs_n, tl.exp(G_last))
+        for vv in tl.static_range(0, BLOCK_V, SLICE):
+            offs_v = vv + offs_n
+            b_v = tl.load(v + tok[:, None] * stride_v_t + i_hv * stride_v_h + offs_v[None, :],
+                          mask=mask_c[:, None] & (offs_v < V)[None, :], other=0.0).to(tl.float32)
+            b_u = tl.dot(b_T, b_v * b_beta[:, None], input_precision=DOT_PRECISION)
+            tl.store(ws_u + ws_row * BLOCK_V + offs_c[:, None] * BLOCK_V + offs_v[None, :], b_u)
+
+
+@triton.jit
+def _beta_values(beta, tok, mask, stride_b_t, stride_b_h, i_hv, BETA_MODE: tl.constexpr):
+    """β of the tokens ``tok`` (zeros where not ``mask``) from β or its logit."""
+    b = tl.load(beta + tok * stride_b_t + i_hv * stride_b_h, mask=mask, other=0.0).to(tl.float32)
+    if BETA_MODE == 1:
+        b = tl.sigmoid(b)
+    if BETA_MODE == 2:
+        b = tl.sigmoid(b) * 2.0
+    return tl.where(mask, b, 0.0)
 
 
 @triton.jit
@@ -470,18 +494,24 @@ def chunk_prefill_triton(q, k, v, g, beta, state, slot_indices, out, *, cu_seqle
     ws_a = torch.empty(rows, C, dtype=torch.float32, device=dev)
     ws_g = torch.empty(max_chunks * HV, BK, dtype=torch.float32, device=dev)
     gate = A_log is not None
-    _chunk_prep(
-        (max_chunks, HV),
-        (q, k, v, g, beta, A_log if gate else q, dt_bias if gate else q, cu_seqlens, first, seq,
-         ws_q, ws_k, ws_w, ws_u, ws_p, ws_a, ws_g, N, T,
-         q.stride(1), q.stride(2), k.stride(1), k.stride(2), v.stride(1), v.stride(2), g.stride(1), g.stride(2),
-         beta.stride(1), beta.stride(2),
-         float(scale), float(lower_bound) if lower_bound is not None else 0.0),
-        dict(H=H, HV=HV, K=K, V=V, BLOCK_K=BK, BLOCK_V=BVW, C=C, SLICE=min(64, BK, BVW),
-             USE_QK_L2NORM=bool(use_qk_l2norm), GATE_IN_KERNEL=gate, SAFE_GATE=lower_bound is not None,
-             BETA_MODE=int(beta_mode), DOT_PRECISION=cfg.dot_precision,
-             FACTOR_DIAG=lower_bound is not None and cfg.factor_safe_gate),
-        num_warps=cfg.prep_warps, num_stages=1)
+    factor_diag = lower_bound is not None and cfg.factor_safe_gate
+    prep_args = (q, k, v, g, beta, A_log if gate else q, dt_bias if gate else q, cu_seqlens, first, seq,
+                 ws_q, ws_k, ws_w, ws_u, ws_p, ws_a, ws_g, N, T,
+                 q.stride(1), q.stride(2), k.stride(1), k.stride(2), v.stride(1), v.stride(2), g.stride(1),
+                 g.stride(2), beta.stride(1), beta.stride(2),
+                 float(scale), float(lower_bound) if lower_bound is not None else 0.0)
+    prep_constexprs = dict(H=H, HV=HV, K=K, V=V, BLOCK_K=BK, BLOCK_V=BVW, C=C, SLICE=min(64, BK, BVW),
+                           USE_QK_L2NORM=bool(use_qk_l2norm), GATE_IN_KERNEL=gate, SAFE_GATE=lower_bound is not None,
+                           BETA_MODE=int(beta_mode), DOT_PRECISION=cfg.dot_precision, FACTOR_DIAG=factor_diag)
+    if cfg.split_prep:
+        launches = [((max_chunks, HV), 1, False), ((max_chunks, HV), 4, False)]
+        if not factor_diag:
+            launches.insert(1, ((max_chunks, HV, C // SUB), 2, True))
+    else:
+        launches = [((max_chunks, HV), 7, False)]
+    for grid, phases, per_sub_block in launches:
+        _chunk_prep(grid, prep_args, dict(prep_constexprs, PHASES=phases, SUB_BLOCK_PROGRAMS=per_sub_block),
+                    num_warps=cfg.prep_warps, num_stages=1)
     has_cs = chunk_states is not None
     cs = chunk_states if has_cs else state
     ci = chunk_state_indices if has_cs else slot_indices
