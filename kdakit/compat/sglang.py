@@ -188,3 +188,6 @@ def causal_conv1d_fn(x, weight, bias=None, query_start_loc=None, cache_indices=N
 
 # Tree target verify (EAGLE top-k > 1): kdakit/compat/sglang_tree.py
 from .sglang_tree import causal_conv1d_update, fused_sigmoid_gating_delta_rule_update  # noqa: E402,F401
+
+# The extend path's chunked prefill (the pool extension of chunk_kda): kdakit/compat/sglang_chunk.py
+from .sglang_chunk import chunk_kda  # noqa: E402,F401
