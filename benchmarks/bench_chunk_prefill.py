@@ -39,37 +39,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 import harness  # noqa: E402
 
 from kdakit import reference  # noqa: E402
+from kdakit.bench.prefill import CASES, QUICK, flops_per_token_head, make_layer  # noqa: E402  (one input builder)
 from kdakit.ops.chunk_prefill import ChunkConfig, chunk_config, chunk_prefill, chunk_prefill_triton  # noqa: E402
 
 DEV = "cuda"
-C_NOMINAL = 64
-
-
-def make_layer(seqlens, H, HV, K, V, *, state_dtype=torch.float32, act_dtype=torch.bfloat16, steep=False, seed=0):
-    """Sequences of ``seqlens`` tokens flattened to [1, T, ...]; a pool with spare slots."""
-    gen = torch.Generator(device=DEV).manual_seed(seed)
-    N = len(seqlens)
-    cu = torch.zeros(N + 1, dtype=torch.int32)
-    cu[1:] = torch.cumsum(torch.tensor(seqlens, dtype=torch.int32), 0)
-    T = int(cu[-1])
-    slots = 2 * N + 2
-
-    def rnd(*shape):
-        return torch.randn(*shape, device=DEV, generator=gen)
-
-    g = rnd(1, T, HV, K)
-    A_log = torch.rand(HV, device=DEV, generator=gen) * 2 - 1
-    dt_bias = rnd(HV * K) * 0.5
-    if steep:  # some channels decay by ~e^-20 a token: softplus(x) ~ x, exp(A_log) up to ~e
-        g[..., : K // 8] = 6.0 + 2.0 * g[..., : K // 8].abs()
-    return {
-        "q": rnd(1, T, H, K).to(act_dtype), "k": rnd(1, T, H, K).to(act_dtype),
-        "v": rnd(1, T, HV, V).to(act_dtype), "g": g.to(act_dtype), "beta": rnd(1, T, HV).to(act_dtype),
-        "A_log": A_log, "dt_bias": dt_bias,
-        "state": (rnd(slots, HV, V, K) * 0.5).to(state_dtype),
-        "idx": torch.randperm(slots, device=DEV, generator=gen)[:N].to(torch.int32),
-        "cu": cu.to(DEV), "out": torch.empty(1, T, HV, V, device=DEV, dtype=act_dtype),
-    }
 
 
 def rel(x, y):
@@ -222,22 +195,10 @@ def correctness(results, quick=False):
     return all(c["ok"] for c in checks)
 
 
-CASES = {  # name: (seqlens, H, HV)
-    "1x2k": ([2048], 32, 32), "1x8k": ([8192], 32, 32), "1x32k": ([32768], 32, 32),
-    "8x2k": ([2048] * 8, 32, 32), "64x512": ([512] * 64, 32, 32),
-    "mixed": ([17, 4000, 250, 1024, 3, 777, 2048, 96, 513, 1200], 32, 32),
-    "1x8k-H8": ([8192], 8, 8), "8x2k-H8": ([2048] * 8, 8, 8), "1x32k-H8": ([32768], 8, 8),
-}
-QUICK = ("1x2k", "8x2k")
-
-
-def flops_per_token_head(K, V, C=C_NOMINAL):
-    return 2 * (4 * C * K + 3 * K * V)
-
-
 def timings(results, names, sweep):
     for name in names:
-        lens, H, HV = CASES[name]
+        lens, H = CASES[name]
+        HV = H
         K = V = 128
         T = sum(lens)
         for lb in (None, -5.0):

@@ -6,6 +6,9 @@ reference, then timed HBM-resident (harness.graph_time_us: a CUDA graph over eno
 pools that the state streams from HBM). Prints a table, writes JSON and a PNG plot of GB/s
 against batch size with the device-to-device copy ceiling (matplotlib: ``pip install
 'kdakit[bench]'``). GPU only: without one it says so and exits 2.
+
+``--prefill``: the chunked-prefill sweep instead (kdakit/bench/prefill.py: ms, tokens/s and
+TFLOP/s against fla's ``chunk_kda`` when fla-core is installed).
 """
 from __future__ import annotations
 
@@ -27,6 +30,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="folder for the JSON and PNG (default: $OUT, else ./kdakit-bench)")
     p.add_argument("--name", default="kdakit_bench", help="file name stem of the JSON and PNG")
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--prefill", action="store_true", help="the chunked-prefill sweep (kdakit.chunk_prefill vs fla)")
+    p.add_argument("--cases", default=None, help="with --prefill: comma-separated cases (default: all; --quick: "
+                   "1x2k,8x2k) from 1x2k, 1x8k, 1x32k, 8x2k, 64x512, mixed, 1x8k-H8, 8x2k-H8, 1x32k-H8")
 
 
 def _make_layer(op: str, N: int, seed: int):
@@ -158,6 +164,14 @@ def main(args) -> int:
         print("kdakit bench: no CUDA GPU here; the benchmark times the Triton kernels on a GPU. "
               "Run `kdakit demo` or `kdakit check` on this machine instead.", file=sys.stderr)
         return 2
+    if getattr(args, "prefill", False):
+        from . import prefill
+        try:
+            prefill.parse_cases(args.cases, args.quick)
+        except ValueError as error:
+            print(f"kdakit bench: {error}", file=sys.stderr)
+            return 2
+        return prefill.main(args)
     ops = [o.strip() for o in args.ops.split(",") if o.strip()]
     unknown = [o for o in ops if o not in OPS]
     if unknown:
