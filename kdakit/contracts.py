@@ -24,13 +24,8 @@ def fail(message: str):
 
 
 def env_flag(name: str) -> str:
-    """An environment variable, read on every call (tests and users flip them at run
-    time) but through os.environ's own dict: ``os.environ.get`` costs ~1 µs a call,
-    which the eager decode path cannot afford."""
-    data = getattr(os.environ, "_data", None)
-    if data is not None:
-        raw = data.get(os.environ.encodekey(name))
-        return "" if raw is None else os.environ.decodevalue(raw)
+    """An environment variable, read on every call: tests and users flip them at run time
+    (about 0.7 µs a read; an eager call reads two or three)."""
     return os.environ.get(name, "")
 
 
