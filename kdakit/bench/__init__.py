@@ -130,8 +130,8 @@ def run(ops, batches, progress=print) -> dict:
     return results
 
 
-def plot(results: dict, path: str) -> str | None:
-    """GB/s against batch size per op, with the copy ceiling; None when matplotlib is missing."""
+def pyplot():
+    """matplotlib's pyplot on the file-only backend, or None (said once) when it is missing."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -139,6 +139,14 @@ def plot(results: dict, path: str) -> str | None:
     except ImportError:
         print("kdakit bench: matplotlib is not installed, so no plot; `pip install 'kdakit[bench]'` adds it.",
               file=sys.stderr)
+        return None
+    return plt
+
+
+def plot(results: dict, path: str) -> str | None:
+    """GB/s against batch size per op, with the copy ceiling; None when matplotlib is missing."""
+    plt = pyplot()
+    if plt is None:
         return None
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for op in dict.fromkeys(r["name"] for r in results["rows"]):

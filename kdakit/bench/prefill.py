@@ -12,7 +12,6 @@ per case. GPU only.
 from __future__ import annotations
 
 import os
-import sys
 import time
 
 K = V = 128
@@ -159,13 +158,9 @@ def run(names, gates=tuple(GATES), progress=print) -> dict:
 
 def plot(results: dict, path: str) -> str | None:
     """Tokens/s per case and gate, one bar per backend; None when matplotlib is missing."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("kdakit bench: matplotlib is not installed, so no plot; `pip install 'kdakit[bench]'` adds it.",
-              file=sys.stderr)
+    from . import pyplot
+    plt = pyplot()
+    if plt is None:
         return None
     keys = list(dict.fromkeys((r["case"], r["gate"]) for r in results["rows"]))
     backends = list(dict.fromkeys(r["name"] for r in results["rows"]))

@@ -397,11 +397,11 @@ def mtp_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indic
     return out
 
 
-@mtp_verify_op.register_example
-def _example(seed, device="cpu", *, mode="snapshot", out=True):
-    """``mode``: ``"snapshot"`` (conv bias too) or ``"ring"`` (the output norm too)."""
-    g = example_rng(seed)
-    N, T, H, HV, K, V, W, slots, scratch = 3, 3, 1, 2, 8, 16, 4, 5, 3
+def verify_example_inputs(g, T: int, steps: int, mode: str, device):
+    """Inputs of a small verify (3 requests of ``T`` tokens, grouped value heads, the conv
+    prologue, scratch and rings of ``steps`` rows, poisoned): ``(args, kw)`` for
+    ``mtp_verify`` (``steps = T + 1``) and, with the parents appended, ``tree_verify``."""
+    N, H, HV, K, V, W, slots, scratch = 3, 1, 2, 8, 16, 4, 5, 3
     bf16 = torch.bfloat16
     channels = (H * K, H * K, HV * V)
     args = (example_randn(g, N, T, H, K, dtype=bf16, device=device),
@@ -414,20 +414,27 @@ def _example(seed, device="cpu", *, mode="snapshot", out=True):
             example_index(0, 2, 1, device=device))
     kw = dict(conv_weights=tuple(example_randn(g, c, W, scale=0.5, device=device) for c in channels),
               conv_states=tuple(example_randn(g, slots, c, W - 1, dtype=bf16, device=device) for c in channels),
-              intermediate_conv=tuple(torch.full((scratch, T + 1, c, W - 1), 7.0, dtype=bf16, device=device)
+              intermediate_conv=tuple(torch.full((scratch, steps, c, W - 1), 7.0, dtype=bf16, device=device)
                                       for c in channels),
               lower_bound=-5.0)
     if mode == "snapshot":
-        kw["snapshots"] = torch.full((scratch, T + 1, HV, V, K), 7.0, device=device)
+        kw["snapshots"] = torch.full((scratch, steps, HV, V, K), 7.0, device=device)
         kw.update(conv_bias=tuple(example_randn(g, c, scale=0.1, device=device) for c in channels))
     else:
-        L = T + 1
-        kw["rings"] = (torch.full((slots, H, L, K), 7.0, dtype=bf16, device=device),
-                       torch.full((slots, HV, L, V), 7.0, dtype=bf16, device=device),
-                       torch.full((slots, HV, L, K), 7.0, device=device),
-                       torch.full((slots, HV, L), 7.0, device=device))
+        kw["rings"] = (torch.full((slots, H, steps, K), 7.0, dtype=bf16, device=device),
+                       torch.full((slots, HV, steps, V), 7.0, dtype=bf16, device=device),
+                       torch.full((slots, HV, steps, K), 7.0, device=device),
+                       torch.full((slots, HV, steps), 7.0, device=device))
         kw.update(norm_gate=example_randn(g, N, T, HV, V, dtype=bf16, device=device),
                   norm_weight=example_rand(g, V, device=device) + 0.5)
+    return args, kw
+
+
+@mtp_verify_op.register_example
+def _example(seed, device="cpu", *, mode="snapshot", out=True):
+    """``mode``: ``"snapshot"`` (conv bias too) or ``"ring"`` (the output norm too)."""
+    T = 3
+    args, kw = verify_example_inputs(example_rng(seed), T, T + 1, mode, device)
     if out:
-        kw["out"] = torch.full((N, T, HV, V), 7.0, dtype=bf16, device=device)
+        kw["out"] = torch.full((3, T, 2, 16), 7.0, dtype=torch.bfloat16, device=device)
     return mtp_verify, args, kw

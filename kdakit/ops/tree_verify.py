@@ -269,8 +269,8 @@ def check_tree_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratc
                            f"{n}: a node's parent must be -1 (the committed state) or an earlier node (0 <= p < t).")
 
 
-from .mtp_verify import mtp_verify_tensors, optional_tuple  # noqa: E402
-from .registry import example_index, example_rand, example_randn, example_rng, kdakit_op  # noqa: E402
+from .mtp_verify import mtp_verify_tensors, optional_tuple, verify_example_inputs  # noqa: E402
+from .registry import example_rng, kdakit_op  # noqa: E402
 
 
 def run_tree_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, parents, out, conv_weights,
@@ -344,32 +344,8 @@ def tree_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indi
 def _example(seed, device="cpu", *, mode="snapshot"):
     """A 4-node tree per request (node 0, two children, a grandchild), the conv prologue; ``mode``:
     ``"snapshot"`` (conv bias too) or ``"ring"`` (the output norm too)."""
-    g = example_rng(seed)
-    N, T, H, HV, K, V, W, slots, scratch = 3, 4, 1, 2, 8, 16, 4, 5, 3
-    bf16 = torch.bfloat16
-    channels = (H * K, H * K, HV * V)
-    args = (example_randn(g, N, T, H, K, dtype=bf16, device=device),
-            example_randn(g, N, T, H, K, dtype=bf16, device=device),
-            example_randn(g, N, T, HV, V, dtype=bf16, device=device),
-            example_randn(g, N, T, HV, K, dtype=bf16, device=device),
-            example_randn(g, N, T, HV, dtype=bf16, device=device), example_rand(g, HV, device=device),
-            example_randn(g, HV * K, scale=0.5, device=device),
-            example_randn(g, slots, HV, V, K, scale=0.5, device=device), example_index(4, -1, 1, device=device),
-            example_index(0, 2, 1, device=device),
-            torch.tensor([[-1, 0, 0, 1], [-1, 0, 1, 2], [-1, 0, 0, 2]], dtype=torch.int32, device=device))
-    kw = dict(conv_weights=tuple(example_randn(g, c, W, scale=0.5, device=device) for c in channels),
-              conv_states=tuple(example_randn(g, slots, c, W - 1, dtype=bf16, device=device) for c in channels),
-              intermediate_conv=tuple(torch.full((scratch, T, c, W - 1), 7.0, dtype=bf16, device=device)
-                                      for c in channels),
-              lower_bound=-5.0, out=torch.full((N, T, HV, V), 7.0, dtype=bf16, device=device))
-    if mode == "snapshot":
-        kw["snapshots"] = torch.full((scratch, T, HV, V, K), 7.0, device=device)
-        kw.update(conv_bias=tuple(example_randn(g, c, scale=0.1, device=device) for c in channels))
-    else:
-        kw["rings"] = (torch.full((slots, H, T, K), 7.0, dtype=bf16, device=device),
-                       torch.full((slots, HV, T, V), 7.0, dtype=bf16, device=device),
-                       torch.full((slots, HV, T, K), 7.0, device=device),
-                       torch.full((slots, HV, T), 7.0, device=device))
-        kw.update(norm_gate=example_randn(g, N, T, HV, V, dtype=bf16, device=device),
-                  norm_weight=example_rand(g, V, device=device) + 0.5)
+    T = 4
+    args, kw = verify_example_inputs(example_rng(seed), T, T, mode, device)
+    args += (torch.tensor([[-1, 0, 0, 1], [-1, 0, 1, 2], [-1, 0, 0, 2]], dtype=torch.int32, device=device),)
+    kw["out"] = torch.full((3, T, 2, 16), 7.0, dtype=torch.bfloat16, device=device)
     return tree_verify, args, kw
