@@ -84,6 +84,7 @@ class ChunkConfig:
     """Launch configuration of one call (``chunk_config`` picks it from the shapes)."""
     chunk: int = CHUNK_SIZE          # tokens per chunk: 16, 32 or 64 (a multiple of SUB)
     block_v: int = 64                # V rows of the state tile per state-kernel program
+    slice_k: int = 32                # prep: columns of K (and V) a [C, slice] piece spans; wider ones spill
     prep_warps: int = 4
     state_warps: int = 8
     dot_precision: str = "tf32"      # "tf32", "tf32x3" or "ieee"
@@ -161,7 +162,6 @@ def _chunk_prep_kernel(
     offs_c = tl.arange(0, C)
     offs_k = tl.arange(0, BLOCK_K)
     mask_c = offs_c < n_tok
-    mask_ck = mask_c[:, None] & (offs_k < K)[None, :]
     tok = t0 + offs_c
     # This (chunk, head)'s rows of the [rows, ...] workspaces; offsets inside them are int32
     # (64-bit offset tiles double the registers every address takes).
@@ -171,28 +171,43 @@ def _chunk_prep_kernel(
     ww = ws_w + ws_row * BLOCK_K
     wa = ws_a + ws_row * C
     wp = ws_p + ws_row * C
-    p_ck = offs_c[:, None] * BLOCK_K + offs_k[None, :]
 
+    # ---- token-parallel: normalised k̂ and q̂ (scaled), the cumulative decay Γ ----
+    # In SLICE-column pieces too: the row norms first, over every piece.
+    offs_n = tl.arange(0, SLICE)
     if PHASES & 1:
-        # ---- token-parallel: normalised k̂ and q̂ (scaled), the cumulative decay Γ ----
-        b_k = tl.load(k + tok[:, None] * stride_k_t + i_h * stride_k_h + offs_k[None, :], mask=mask_ck, other=0.0)
-        b_k = b_k.to(tl.float32)
+        p_kt = k + tok[:, None] * stride_k_t + i_h * stride_k_h
+        p_qt = q + tok[:, None] * stride_q_t + i_h * stride_q_h
+        p_gt = g + tok[:, None] * stride_g_t + i_hv * stride_g_h
         if USE_QK_L2NORM:
-            b_k = b_k / tl.sqrt(tl.sum(b_k * b_k, axis=1) + 1e-6)[:, None]
-        tl.store(wk + p_ck, b_k)
-        b_q = tl.load(q + tok[:, None] * stride_q_t + i_h * stride_q_h + offs_k[None, :], mask=mask_ck, other=0.0)
-        b_q = b_q.to(tl.float32)
-        if USE_QK_L2NORM:
-            b_q = b_q / tl.sqrt(tl.sum(b_q * b_q, axis=1) + 1e-6)[:, None]
-        tl.store(wq + p_ck, b_q * scale)
-        b_g = tl.load(g + tok[:, None] * stride_g_t + i_hv * stride_g_h + offs_k[None, :], mask=mask_ck, other=0.0)
-        b_g = b_g.to(tl.float32)
-        if GATE_IN_KERNEL:
-            A_h = tl.load(A_log + i_hv).to(tl.float32)
-            bias = tl.load(dt_bias + i_hv * K + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-            b_g = kda_log_decay(b_g, bias[None, :], A_h, lower_bound, SAFE_GATE)
-        b_g = tl.where(mask_ck, b_g, 0.0)  # rows past the chunk's tokens: no decay, so Γ_C is the last token's
-        tl.store(ww + p_ck, tl.cumsum(b_g, axis=0))  # Γ: chunk-local, inclusive, <= 0 and non-increasing
+            ss_k = tl.zeros([C], dtype=tl.float32)
+            ss_q = tl.zeros([C], dtype=tl.float32)
+            for kk in tl.static_range(0, BLOCK_K, SLICE):
+                m = mask_c[:, None] & ((kk + offs_n) < K)[None, :]
+                b_k = tl.load(p_kt + kk + offs_n[None, :], mask=m, other=0.0).to(tl.float32)
+                b_q = tl.load(p_qt + kk + offs_n[None, :], mask=m, other=0.0).to(tl.float32)
+                ss_k += tl.sum(b_k * b_k, axis=1)
+                ss_q += tl.sum(b_q * b_q, axis=1)
+            norm_k = tl.sqrt(ss_k + 1e-6)
+            norm_q = tl.sqrt(ss_q + 1e-6)
+        for kk in tl.static_range(0, BLOCK_K, SLICE):
+            in_k = (kk + offs_n) < K
+            m = mask_c[:, None] & in_k[None, :]
+            p_sl = offs_c[:, None] * BLOCK_K + kk + offs_n[None, :]
+            b_k = tl.load(p_kt + kk + offs_n[None, :], mask=m, other=0.0).to(tl.float32)
+            b_q = tl.load(p_qt + kk + offs_n[None, :], mask=m, other=0.0).to(tl.float32)
+            if USE_QK_L2NORM:
+                b_k = b_k / norm_k[:, None]
+                b_q = b_q / norm_q[:, None]
+            tl.store(wk + p_sl, b_k)
+            tl.store(wq + p_sl, b_q * scale)
+            b_g = tl.load(p_gt + kk + offs_n[None, :], mask=m, other=0.0).to(tl.float32)
+            if GATE_IN_KERNEL:
+                A_h = tl.load(A_log + i_hv).to(tl.float32)
+                bias = tl.load(dt_bias + i_hv * K + kk + offs_n, mask=in_k, other=0.0).to(tl.float32)
+                b_g = kda_log_decay(b_g, bias[None, :], A_h, lower_bound, SAFE_GATE)
+            b_g = tl.where(m, b_g, 0.0)  # rows past the chunk's tokens: no decay, so Γ_C is the last token's
+            tl.store(ww + p_sl, tl.cumsum(b_g, axis=0))  # Γ: chunk-local, inclusive, <= 0 and non-increasing
     tl.debug_barrier()
 
     # ---- A (β-scaled, strictly lower) and P (lower) ----
@@ -229,7 +244,6 @@ def _chunk_prep_kernel(
                         tl.store(wp + rows * C + i * 16 + r, p_col)
     b_beta = _beta_values(beta, tok, mask_c, stride_b_t, stride_b_h, i_hv, BETA_MODE)
     if PHASES & 4:
-        offs_n = tl.arange(0, SLICE)
         # Under the safe gate (|Γ_s - Γ_r| < 80 inside a sub-block) column block j takes its own
         # rows too, factored at the token before it (one positive exponent, bounded by e^80).
         for j in range(NB if FACTOR_DIAG else NB - 1):
@@ -500,7 +514,7 @@ def chunk_prefill_triton(q, k, v, g, beta, state, slot_indices, out, *, cu_seqle
                  q.stride(1), q.stride(2), k.stride(1), k.stride(2), v.stride(1), v.stride(2), g.stride(1),
                  g.stride(2), beta.stride(1), beta.stride(2),
                  float(scale), float(lower_bound) if lower_bound is not None else 0.0)
-    prep_constexprs = dict(H=H, HV=HV, K=K, V=V, BLOCK_K=BK, BLOCK_V=BVW, C=C, SLICE=min(64, BK, BVW),
+    prep_constexprs = dict(H=H, HV=HV, K=K, V=V, BLOCK_K=BK, BLOCK_V=BVW, C=C, SLICE=min(cfg.slice_k, BK, BVW),
                            USE_QK_L2NORM=bool(use_qk_l2norm), GATE_IN_KERNEL=gate, SAFE_GATE=lower_bound is not None,
                            BETA_MODE=int(beta_mode), DOT_PRECISION=cfg.dot_precision, FACTOR_DIAG=factor_diag)
     if cfg.split_prep:
