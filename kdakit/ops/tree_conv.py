@@ -122,7 +122,7 @@ def _tree_conv_kernel(
 
 _tree_conv = CachedKernel(_tree_conv_kernel)
 
-# Channels per program and warps (the chain prologue's tile, verify_conv.BLOCK_C; not tuned for trees).
+# Channels per program and warps (the chain prologue's tile, VerifyConvConfig.block_c; not tuned for trees).
 BLOCK_C = 64
 NUM_WARPS = 2
 
