@@ -184,7 +184,7 @@ def _num_rows(snapshots, intermediate_conv) -> int:
 
 def tree_verify_config(N: int, T: int, HV: int, V: int, K: int, lower_bound) -> VerifyConfig:
     """The tree verify's pinned config: the chain verify's recurrence tile and ring forms
-    (its ``conv`` unused: the tree conv's tile is ``tree_conv.BLOCK_C``)."""
+    (its ``conv`` unused: the tree conv's is ``tree_conv.TreeConvConfig``)."""
     block_v, num_warps = recurrence_tile(V, K)
     return VerifyConfig(block_v=block_v, num_warps=num_warps, ring_form=ring_form(N, HV, T),
                         ring=ring_verify_config(T, lower_bound))
