@@ -22,7 +22,7 @@ import harness  # noqa: E402
 
 import kdakit  # noqa: E402
 from kdakit import reference  # noqa: E402
-from kdakit.ops.conv1d_varlen import causal_conv1d_varlen, causal_conv1d_varlen_triton  # noqa: E402
+from kdakit.ops.conv1d_varlen import Conv1dVarlenConfig, causal_conv1d_varlen, causal_conv1d_varlen_triton  # noqa: E402
 
 DEV = "cuda"
 BF16 = torch.bfloat16
@@ -134,7 +134,8 @@ def bench(quick, sweep):
             layers = [make(lengths, C, layout=layout, seed=s) for s in range(L)]
             outs = [torch.empty_like(x["x"]) for x in layers]
             for cfg in configs:
-                us = harness.graph_time_us([lambda t=t, o=o, cfg=cfg: call(t, o, cfg) for t, o in zip(layers, outs)])
+                us = harness.graph_time_us([lambda t=t, o=o, cfg=cfg: call(t, o, cfg and Conv1dVarlenConfig(*cfg))
+                                               for t, o in zip(layers, outs)])
                 r = harness.row(f"N={N} T={T} x {layout} cfg={cfg}", us, nbytes, ceiling)
                 rows.append(r)
                 print(r, flush=True)

@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import harness  # noqa: E402
 
 from kdakit import reference  # noqa: E402
-from kdakit.ops.conv1d_update import causal_conv1d_update  # noqa: E402
+from kdakit.ops.conv1d_update import Conv1dUpdateConfig, causal_conv1d_update  # noqa: E402
 from kdakit.ops.fused_decode import fused_decode  # noqa: E402
 from kdakit.ops.gated_rmsnorm import gated_rmsnorm  # noqa: E402
 from kdakit.ops.packed_decode import packed_decode  # noqa: E402
@@ -83,6 +83,12 @@ def chain_call(layer, norm=True, lower_bound=None):
 def dependent_chain_call(layer, norm=True, pdl=True, conv_config=None, decode_config=None, **chain_kw):
     """The op's own unfused chain, each kernel a programmatic dependent launch of the one before."""
     from kdakit.ops.fused_decode import _unfused_chain
+    from kdakit.ops.gated_rmsnorm import GatedRMSNormConfig
+    from kdakit.ops.packed_decode import PackedDecodeConfig
+    conv_config = Conv1dUpdateConfig(*conv_config) if conv_config is not None else None
+    decode_config = PackedDecodeConfig(*decode_config) if decode_config is not None else None
+    if chain_kw.get("norm_config") is not None:  # the sweeps' tuples, as configs
+        chain_kw = dict(chain_kw, norm_config=GatedRMSNormConfig(*chain_kw["norm_config"]))
     kw = dict(norm_gate=layer["norm_gate"], norm_weight=layer["norm_weight"]) if norm else dict(norm_gate=None,
                                                                                                  norm_weight=None)
     K = layer["state"].shape[-1]
@@ -257,18 +263,19 @@ def check_dependent_chain(results):
 
 def one_kernel_config(N, H=32, HV=32, K=128, V=128):
     """The one-kernel step's pinned config (what runs without dependent launches)."""
-    from kdakit.ops.fused_decode import _launch_config
-    return _launch_config(N, H, HV, V, K)
+    from kdakit.ops.fused_decode import one_kernel_config as pinned
+    config = pinned(N, H, HV, V, K)
+    return config.block_v, config.v_tiles, config.num_warps
 
 
 def config_call(layer, config, norm):
-    from kdakit.ops.fused_decode import fused_decode_triton
+    from kdakit.ops.fused_decode import FusedDecodeConfig, fused_decode_triton
     kw = dict(norm_gate=layer["norm_gate"], norm_weight=layer["norm_weight"]) if norm else dict(norm_gate=None,
                                                                                                  norm_weight=None)
     return lambda: fused_decode_triton(layer["qkv"], layer["conv_weight"], layer["conv_state"], layer["a"],
                                        layer["b"], layer["A_log"], layer["dt_bias"], layer["state"], layer["idx"],
                                        layer["out"], conv_bias=None, scale=0.0884, lower_bound=None, norm_eps=1e-6,
-                                       config=config, **kw)
+                                       config=FusedDecodeConfig(*config), **kw)
 
 
 # (BLOCK_V, V_TILES, num_warps), with the norm: V split over programs of one tile or of

@@ -17,6 +17,8 @@ import argparse
 import os
 import sys
 
+from dataclasses import replace
+
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -24,12 +26,19 @@ import harness  # noqa: E402
 
 import kdakit  # noqa: E402
 from kdakit import reference  # noqa: E402
+from kdakit.ops.commit import commit_ring_config, commit_ring_triton  # noqa: E402
+from kdakit.ops.mtp_verify import mtp_verify_config, mtp_verify_triton, recurrence_tile  # noqa: E402
 
 H = HV = 32
 K = V = 128
 W = 4
 LOWER_BOUND = -5.0
 STATE_BYTES = HV * V * K * 4
+
+# A sweep's launch configs, passed explicitly (``config=``) to the Triton launchers: None,
+# the public entry and the op's own pick; else a function of the shapes returning the config.
+SWEEP_CONFIGS = {"verify": None,   # (N, T, HV, V, K, lower_bound) -> mtp_verify.VerifyConfig
+                 "commit": None}   # (V, K) -> commit.CommitRingConfig
 
 
 def make_layer(N, T, *, conv, mode, seed=0, norm=False, ring_len=None, slots=None):
@@ -65,11 +74,30 @@ def make_layer(N, T, *, conv, mode, seed=0, norm=False, ring_len=None, slots=Non
 
 
 def verify_call(L):
-    return lambda: kdakit.mtp_verify(
+    pick = SWEEP_CONFIGS["verify"]
+    if pick is None:
+        return lambda: kdakit.mtp_verify(
+            L["q"], L["k"], L["v"], L["a"], L["b"], L["A_log"], L["dt_bias"], L["state"], L["slots"],
+            L["scratch_idx"], conv_weights=L.get("conv_weights"), conv_states=L.get("conv_states"),
+            intermediate_conv=L.get("intermediate_conv"), snapshots=L.get("snapshots"), rings=L.get("rings"),
+            lower_bound=LOWER_BOUND, norm_gate=L.get("norm_gate"), norm_weight=L.get("norm_weight"), out=L["out"])
+    (N, T, _, k_dim), (hv, v_dim) = L["q"].shape, L["v"].shape[2:]
+    config = pick(N, T, hv, v_dim, k_dim, LOWER_BOUND)
+    return lambda: mtp_verify_triton(
         L["q"], L["k"], L["v"], L["a"], L["b"], L["A_log"], L["dt_bias"], L["state"], L["slots"], L["scratch_idx"],
-        conv_weights=L.get("conv_weights"), conv_states=L.get("conv_states"),
-        intermediate_conv=L.get("intermediate_conv"), snapshots=L.get("snapshots"), rings=L.get("rings"),
-        lower_bound=LOWER_BOUND, norm_gate=L.get("norm_gate"), norm_weight=L.get("norm_weight"), out=L["out"])
+        L["out"], conv_weights=L.get("conv_weights"), conv_states=L.get("conv_states"),
+        intermediate_conv=L.get("intermediate_conv"), conv_bias=None, snapshots=L.get("snapshots"),
+        rings=L.get("rings"), scale=k_dim ** -0.5, lower_bound=LOWER_BOUND, norm_gate=L.get("norm_gate"),
+        norm_weight=L.get("norm_weight"), norm_eps=1e-6, config=config)
+
+
+def commit_ring(state, rings, slots, accept):
+    """``kdakit.commit_ring``, or the Triton launch with the sweep's config."""
+    pick = SWEEP_CONFIGS["commit"]
+    if pick is None:
+        return kdakit.commit_ring(state, *rings, slots, accept)
+    return commit_ring_triton(state, *rings, slots, accept, track_slots=None, track_steps=None, use_qk_l2norm=True,
+                              null_block_id=-1, config=pick(*state.shape[-2:]))
 
 
 def rel(x, y):
@@ -128,7 +156,7 @@ def commit_bitwise_checks(results, tag=""):
         s1, s2 = snap_layer["state"].clone(), ring_layer["state"].clone()
         kdakit.commit_snapshots(s1, snap_layer["snapshots"], snap_layer["slots"], snap_layer["scratch_idx"],
                                 accept - 1)
-        kdakit.commit_ring(s2, *ring_layer["rings"], ring_layer["slots"], accept)
+        commit_ring(s2, ring_layer["rings"], ring_layer["slots"], accept)
         same = torch.equal(s1, s2)
         # ring mode may compute its outputs in the chunk form: equal to the snapshot's up to rounding
         e_out = rel(ring_layer["out"], snap_layer["out"])
@@ -196,7 +224,7 @@ def ring_accept_lens(layers, T):
 def time_commit_ring(results, name, layers, accept, *, num_spec, N):
     """The ring commit of every layer in one graph; its floor reads and writes each state once."""
     t = harness.graph_time_us([
-        (lambda L=L, acc=acc: kdakit.commit_ring(L["state"], *L["rings"], L["slots"], acc))
+        (lambda L=L, acc=acc: commit_ring(L["state"], L["rings"], L["slots"], acc))
         for L, acc in zip(layers, accept)])
     results["rows"].append(harness.row(name, t, 2 * N * STATE_BYTES, results["copy_ceiling_GBps"],
                                        num_spec=num_spec, N=N, layers=len(layers)))
@@ -239,21 +267,21 @@ def ring_sweep(results, variants, batches):
     "chunked-pairwise" (its pair sums never factored), or the chunk
     form's "<precision>:<block_v>x<warps>:<k_chunk>:<stages>[:<steps kernel warps>]"; each
     checked against float64 before it is timed."""
-    from kdakit.ops import mtp_verify as mtp_verify_module, ring_verify as ring_verify_module
-    config_names = ("STEPS_WARPS", "DOT_PRECISION", "STATE_TILE", "K_CHUNK", "NUM_STAGES", "FACTORED_PAIR_SUMS")
-    shipped = {name: getattr(ring_verify_module, name) for name in config_names}
-    for variant in variants:
-        mtp_verify_module.RING_CHUNK_FORM_ABOVE = 1 << 30 if variant == "recurrent" else 0
-        for name, value in shipped.items():  # every variant starts from the shipped config
-            setattr(ring_verify_module, name, value)
+    def ring_config(variant):
+        """The variant's ring config from the shipped one (the pinned config of each call)."""
+        if variant in ("recurrent", "chunked"):
+            return lambda ring: ring
         if variant == "chunked-pairwise":  # the shipped chunk form, pair sums never factored
-            ring_verify_module.FACTORED_PAIR_SUMS = False
-        elif variant not in ("recurrent", "chunked"):
-            precision, tile, k_chunk, stages, *steps_warps = variant.split(":")
-            ring_verify_module.STEPS_WARPS = int(steps_warps[0]) if steps_warps else None
-            ring_verify_module.DOT_PRECISION = precision
-            ring_verify_module.STATE_TILE = tuple(int(x) for x in tile.split("x"))
-            ring_verify_module.K_CHUNK, ring_verify_module.NUM_STAGES = int(k_chunk), int(stages)
+            return lambda ring: replace(ring, factored=False)
+        precision, tile, k_chunk, stages, *steps_warps = variant.split(":")
+        block_v, warps = (int(x) for x in tile.split("x"))
+        return lambda ring: replace(ring, dot_precision=precision, state_block_v=block_v, state_warps=warps,
+                                    k_chunk=int(k_chunk), num_stages=int(stages),
+                                    steps_warps=int(steps_warps[0]) if steps_warps else ring.steps_warps)
+    for variant in variants:
+        form, ring = "recurrent" if variant == "recurrent" else "chunked", ring_config(variant)
+        SWEEP_CONFIGS["verify"] = lambda *shapes, form=form, ring=ring: (
+            lambda c: replace(c, ring_form=form, ring=ring(c.ring)))(mtp_verify_config(*shapes))
         for N, T, conv, norm in ((1, 2, True, False), (8, 4, True, True), (64, 8, False, False), (33, 4, True, False)):
             L = make_layer(N, T, conv=conv, mode="ring", norm=norm, seed=N * 10 + T)
             verify_call(L)()
@@ -270,13 +298,12 @@ def ring_sweep(results, variants, batches):
 
 def commit_sweep(results, variants, batches):
     """The ring commit per variant "<tiles per program>[:<steps ahead>]" (kdakit/ops/commit.py
-    COMMIT_TILES, COMMIT_STEPS_AHEAD) on the same verified layers, after the bitwise checks of each."""
-    from kdakit.ops import commit as commit_module
-    shipped_ahead = commit_module.COMMIT_STEPS_AHEAD
-
+    CommitRingConfig.tiles, .steps_ahead) on the same verified layers, after the bitwise checks of each."""
     def use(variant):
         tiles, *ahead = (int(x) for x in variant.split(":"))
-        commit_module.COMMIT_TILES, commit_module.COMMIT_STEPS_AHEAD = tiles, ahead[0] if ahead else shipped_ahead
+        SWEEP_CONFIGS["commit"] = lambda V, K, tiles=tiles, ahead=ahead: (
+            lambda c: replace(c, tiles=tiles, steps_ahead=ahead[0] if ahead else c.steps_ahead))(
+                commit_ring_config(V, K))
     for variant in variants:
         use(variant)
         commit_bitwise_checks(results, tag=f"-tiles{variant}")
@@ -297,13 +324,15 @@ def commit_sweep(results, variants, batches):
 def conv_sweep(results, variants, batches):
     """Verify with the short conv (ring and snapshot) for each conv prologue config
     "<channels per program>x<warps>[:wr0|:wr1]" (kdakit/ops/verify_conv.py), checked first."""
-    from kdakit.ops import verify_conv as verify_conv_module
     for variant in variants:
         tile, *flags = variant.split(":")
         block_c, warps = (int(x) for x in tile.split("x"))
-        verify_conv_module.BLOCK_C, verify_conv_module.NUM_WARPS = block_c, warps
         # "wr0" / "wr1": windows stored per tap / as whole runs at every T (default: the rule)
-        verify_conv_module.WINDOW_RUNS = {"wr0": False, "wr1": True}.get(flags[0]) if flags else None
+        runs = {"wr0": False, "wr1": True}.get(flags[0]) if flags else None
+        SWEEP_CONFIGS["verify"] = lambda *shapes, block_c=block_c, warps=warps, runs=runs: (
+            lambda c: replace(c, conv=replace(c.conv, block_c=block_c, num_warps=warps,
+                                              window_runs=c.conv.window_runs if runs is None else runs)))(
+                mtp_verify_config(*shapes))
         correctness(results, tag=f"-conv{variant}")
         for num_spec in (1, 3, 7):
             for N in batches:
@@ -320,7 +349,7 @@ def main():
                         help="comma-separated N values (default 1,8,64,256; --quick 8,64)")
     parser.add_argument("--tile-bytes", type=lambda x: tuple(int(n) for n in x.split(",")), default=None,
                         help="sweep: bytes of state rows per program of the verify and ring commit "
-                             "(kdakit.ops.mtp_verify.RECURRENCE_TILE_BYTES); rows are tagged with it")
+                             "(kdakit.ops.mtp_verify.recurrence_tile); rows are tagged with it")
     parser.add_argument("--ring-sweep", type=lambda x: x.split(","), default=None,
                         help="time only the ring verify, per variant: recurrent, chunked, or "
                              "<tf32x3|tf32|ieee>:<BVxwarps>:<k_chunk>:<stages>[:<steps warps>]")
@@ -338,9 +367,13 @@ def main():
     elif args.ring_sweep:
         ring_sweep(results, args.ring_sweep, args.batches or (1, 8, 64, 256))
     elif args.tile_bytes:
-        from kdakit.ops import mtp_verify as mtp_verify_module
         for i, tile_bytes in enumerate(args.tile_bytes):
-            mtp_verify_module.RECURRENCE_TILE_BYTES = tile_bytes
+            # the verify and the ring commit on the same tile (a ring commit equals a snapshot commit bitwise)
+            SWEEP_CONFIGS["verify"] = lambda N, T, hv, v, k, lb, tile_bytes=tile_bytes: replace(
+                mtp_verify_config(N, T, hv, v, k, lb), **dict(zip(("block_v", "num_warps"),
+                                                                  recurrence_tile(v, k, tile_bytes))))
+            SWEEP_CONFIGS["commit"] = lambda v, k, tile_bytes=tile_bytes: replace(
+                commit_ring_config(v, k), **dict(zip(("block_v", "num_warps"), recurrence_tile(v, k, tile_bytes))))
             correctness(results, tag=f"-tile{tile_bytes}")
             timings(results, args.quick, args.commit_only, args.batches, tag=f"-tile{tile_bytes}", skip_fla=i > 0)
     else:

@@ -20,7 +20,7 @@ import harness  # noqa: E402
 
 import kdakit  # noqa: E402
 from kdakit import reference  # noqa: E402
-from kdakit.ops.packed_decode import packed_decode_triton  # noqa: E402
+from kdakit.ops.packed_decode import PackedDecodeConfig, packed_decode_triton  # noqa: E402
 
 
 def make_layer(N, H, HV, K, V, state_dtype, *, act_dtype=torch.bfloat16, spare_slots=None, seed=0):
@@ -155,7 +155,7 @@ def timings(results, sweep: bool, quick: bool, configs=None, batches=None):
     # (BLOCK_V, V_TILES, num_warps, num_stages, EVICT); the next tile's load is in flight while
     # one computes whatever num_stages (static loop); evict_first measured 1-2% slower before.
     only_fp32 = bool(configs)  # a config list of its own: the float32 HV = 32 pool alone
-    configs = configs or ([(bv, t, 1, 1, "") for bv, t in ((4, 1), (4, 2), (8, 1), (8, 2), (8, 4), (16, 1), (16, 2))]
+    configs = configs or ([PackedDecodeConfig(bv, t, 1, 1, "") for bv, t in ((4, 1), (4, 2), (8, 1), (8, 2), (8, 4), (16, 1), (16, 2))]
                           if sweep else [])
     pools = ((32, (torch.float32,)),) if only_fp32 else ((32, (torch.float32, torch.bfloat16)), (12, (torch.float32,)))
     for HV, dtypes in pools:
@@ -173,7 +173,8 @@ def timings(results, sweep: bool, quick: bool, configs=None, batches=None):
                 # check one layer of each implementation before timing it
                 ref_out, ref_state = ref_decode(layers[0])
                 snap = layers[0]["state"].clone()
-                variants = [("kdakit", None)] + [("kdakit-bv{}-t{}-w{}-s{}-{}".format(*c[:4], c[4][:5] or "nohint"), c) for c in configs
+                variants = [("kdakit", None)] + [(f"kdakit-bv{c.block_v}-t{c.v_tiles}-w{c.num_warps}-s{c.num_stages}-"
+                                                  f"{c.evict[:5] or 'nohint'}", c) for c in configs
                                                 if HV == 32]
                 for name, cfg in variants:
                     layers[0]["state"].copy_(snap)
@@ -238,7 +239,8 @@ def main():
     results = harness.new_results()
     correctness(results)
     bad = [c for c in results["checks"] if not c["ok"]]
-    configs = [tuple(int(x) for x in c.split("x")) + (1, "") for c in args.configs.split(",")] if args.configs else None
+    configs = ([PackedDecodeConfig(*(int(x) for x in c.split("x")), 1, "") for c in args.configs.split(",")]
+               if args.configs else None)
     batches = [int(n) for n in args.batches.split(",")] if args.batches else None
     timings(results, args.sweep, args.quick, configs, batches)
     harness.close_results(results)

@@ -31,7 +31,7 @@ import harness  # noqa: E402
 
 from kdakit import reference  # noqa: E402
 from kdakit.compat.fla import fused_recurrent_kda as compat_fused_recurrent_kda  # noqa: E402
-from kdakit.ops.recurrent_forward import recurrent_forward, recurrent_forward_triton  # noqa: E402
+from kdakit.ops.recurrent_forward import RecurrentForwardConfig, recurrent_forward, recurrent_forward_triton  # noqa: E402
 
 DEV = "cuda"
 
@@ -95,7 +95,8 @@ def kdakit_call(layer, lower_bound=None, config=None, idx=None, num_accepted=Non
                                             scale=K ** -0.5, use_qk_l2norm=True, A_log=layer["A_log"],
                                             dt_bias=layer["dt_bias"], lower_bound=lower_bound, beta_mode=1,
                                             num_accepted_tokens=num_accepted, token_states=token_states,
-                                            write_final_state=True, final_states=None, config=config)
+                                            write_final_state=True, final_states=None,
+                                            config=RecurrentForwardConfig(*config))
 
 
 def fla_public_args(layer):
@@ -229,13 +230,13 @@ def with_kmajor_config(config, fn):
     from kdakit.ops import recurrent_forward as module
 
     def call(**kw):
-        pinned = module._launch_config
-        module._launch_config = lambda N, HV, V, K, tokens, k_major=False: (
-            tuple(config) if k_major else pinned(N, HV, V, K, tokens, k_major))
+        pinned = module.recurrent_forward_config
+        module.recurrent_forward_config = lambda N, HV, V, K, tokens, k_major=False: (
+            module.RecurrentForwardConfig(*config) if k_major else pinned(N, HV, V, K, tokens, k_major))
         try:
             return fn(**kw)
         finally:
-            module._launch_config = pinned
+            module.recurrent_forward_config = pinned
     return call
 
 

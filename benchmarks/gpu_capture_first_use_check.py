@@ -17,7 +17,7 @@ import torch
 
 from kdakit.compat.fla import fused_recurrent_kda
 from kdakit.ops import launch
-from kdakit.ops.fused_decode import fused_decode_triton
+from kdakit.ops.fused_decode import FusedDecodeConfig, fused_decode_triton
 
 DEV = "cuda"
 
@@ -60,7 +60,7 @@ def fused_step_case():
         # V over several programs per head: the arrival counters are used
         fused_decode_triton(qkv, conv_weight, conv, a, b, A_log, dt_bias, state, idx, out, conv_bias=None,
                             scale=K ** -0.5, lower_bound=None, norm_gate=gate, norm_weight=weight, norm_eps=1e-6,
-                            config=(16, 1, 1), pdl=False)
+                            config=FusedDecodeConfig(block_v=16, v_tiles=1, num_warps=1), pdl=False)
         return [out, state, conv]
     expected = [t.clone() for t in call()]
     return call, expected, lambda: launch._KEPT.clear()

@@ -10,8 +10,10 @@ a check fails. Needs CUDA.
 """
 from __future__ import annotations
 
+import functools
 import os
 import sys
+from dataclasses import replace
 
 import torch
 
@@ -24,9 +26,15 @@ from kdakit.ops import fused_decode as fused_module  # noqa: E402
 from kdakit.ops import mtp_verify as verify_module  # noqa: E402
 
 
+PINNED = {"verify": verify_module.mtp_verify_config, "fused": fused_module.fused_decode_config}
+
+
 def configure(name: str) -> None:
-    verify_module.RING_CHUNK_FORM_ABOVE = 0 if "ring-chunked" in name else 1 << 30
-    fused_module.CHAIN_ABOVE_PAIRS = 0 if "chain" in name else 1024
+    # the public calls' launch configs: the pinned ones, with the ring form and the chain forced by case
+    form = "chunked" if "ring-chunked" in name else "recurrent"
+    verify_module.mtp_verify_config = lambda *a, **kw: replace(PINNED["verify"](*a, **kw), ring_form=form)
+    fused_module.fused_decode_config = functools.partial(PINNED["fused"], chain_above_pairs=0 if "chain" in name
+                                                         else fused_module.CHAIN_ABOVE_PAIRS)
     # the one-kernel fused step runs only without dependent launches
     os.environ["KDAKIT_PDL"] = "0" if name.startswith("fused_decode-slot") else "1"
     os.environ["KDAKIT_BACKEND"] = "triton"  # the drop-in's backend; the others pass theirs

@@ -5,6 +5,7 @@ Run in a fresh process with KDAKIT_COMPILE_ONLY=sm_90 and without TRITON_INTERPR
 The launch variants below are chosen per op (config branches, flag combinations, real head
 sizes); then every op of the registry that none of them ran through the Triton backend runs
 its example inputs, so a new op compiles here without an entry of its own."""
+import dataclasses
 import os
 import sys
 
@@ -39,6 +40,18 @@ def rnd(*shape, dtype=bf):
     return torch.randn(*shape, generator=g).to(dtype)
 
 
+def chunk_form(launcher, picker, *args, lower_bound=None, **kw):
+    """A verify's public call as its Triton launch, with its pinned config (``picker``) but
+    ring mode's chunk form at any batch (``config=``)."""
+    q, v = args[0], args[2]
+    (n, t, _, k), (hv, v_dim) = q.shape, v.shape[2:]
+    config = dataclasses.replace(picker(n, t, hv, v_dim, k, lower_bound), ring_form="chunked")
+    kw = dict(dict(conv_weights=None, conv_states=None, intermediate_conv=None, conv_bias=None, snapshots=None,
+                   norm_gate=None, norm_weight=None, norm_eps=1e-6), **kw)
+    return launcher(*args, torch.empty(v.shape, dtype=q.dtype), scale=k ** -0.5, lower_bound=lower_bound,
+                    config=config, **kw)
+
+
 state = rnd(slots, HV, V, K, dtype=torch.float32)
 idx = torch.tensor([1, -1], dtype=torch.int32)
 A_log, dt_bias = torch.rand(HV), torch.randn(HV * K)
@@ -54,13 +67,13 @@ for batch in (1, 80):  # both fused-decode tile configs (tiny batch: whole V per
     slots_b = torch.arange(batch, dtype=torch.int32) % slots - (torch.arange(batch) >= slots).int() * 100
     kdakit.fused_decode(qkv, conv_w, conv_state, aa, bb, A_log, dt_bias, state, slots_b.clamp(min=-1),
                         norm_gate=rnd(batch, HV * V), norm_weight=torch.rand(V), backend="triton")
-from kdakit.ops.fused_decode import fused_decode_triton  # noqa: E402
+from kdakit.ops.fused_decode import FusedDecodeConfig, fused_decode_triton  # noqa: E402
 for config, norm in (((8, 16, 1), False), ((8, 4, 1), True), ((128, 1, 8), True)):
     # one program per head streaming tiles; split programs of several tiles; the whole row
     fused_decode_triton(qkv, conv_w, conv_state, aa, bb, A_log, dt_bias, state, slots_b.clamp(min=-1),
                         torch.empty(80, 1, HV, V, dtype=bf), conv_bias=None, scale=0.1, lower_bound=None,
                         norm_gate=rnd(80, HV * V) if norm else None, norm_weight=torch.rand(V) if norm else None,
-                        norm_eps=1e-6, config=config)
+                        norm_eps=1e-6, config=FusedDecodeConfig(*config))
 from kdakit.ops.fused_decode import _unfused_chain  # noqa: E402
 n_before = len(COMPILED_FOR_TARGET)
 _unfused_chain(qkv, conv_w, conv_state, aa, bb, A_log, dt_bias, state, slots_b.clamp(min=-1),
@@ -95,14 +108,13 @@ kdakit.mtp_verify(q, k, v, aT, bT, A_log, dt_bias, state, idx, scratch, conv_wei
 kdakit.mtp_verify(q, k, v, aT, bT, A_log, dt_bias, state, idx, scratch, rings=rings, backend="triton")
 kdakit.mtp_verify(q, k, v, aT, bT, A_log, dt_bias, state, idx, scratch, conv_weights=conv_weights,
                   conv_states=conv_states, intermediate_conv=inter, rings=rings, backend="triton")
-from kdakit.ops import mtp_verify as mtp_verify_module  # noqa: E402
-chunk_form_above, mtp_verify_module.RING_CHUNK_FORM_ABOVE = mtp_verify_module.RING_CHUNK_FORM_ABOVE, 0  # at any batch
-kdakit.mtp_verify(q, k, v, aT, bT, A_log, dt_bias, state, idx, scratch, rings=rings, backend="triton")
-kdakit.mtp_verify(q, k, v, aT, bT, A_log, dt_bias, state.to(bf), idx, scratch, rings=rings, backend="triton")
-kdakit.mtp_verify(q, k, v, aT, bT, A_log, dt_bias, state, idx, scratch, conv_weights=conv_weights,
-                  conv_states=conv_states, intermediate_conv=inter, rings=rings, norm_gate=rnd(N, T, HV, V),
-                  norm_weight=torch.rand(V), backend="triton")
-mtp_verify_module.RING_CHUNK_FORM_ABOVE = chunk_form_above
+from kdakit.ops.mtp_verify import mtp_verify_config, mtp_verify_triton  # noqa: E402
+chunk_form(mtp_verify_triton, mtp_verify_config, q, k, v, aT, bT, A_log, dt_bias, state, idx, scratch, rings=rings)
+chunk_form(mtp_verify_triton, mtp_verify_config, q, k, v, aT, bT, A_log, dt_bias, state.to(bf), idx, scratch,
+           rings=rings)
+chunk_form(mtp_verify_triton, mtp_verify_config, q, k, v, aT, bT, A_log, dt_bias, state, idx, scratch,
+           conv_weights=conv_weights, conv_states=conv_states, intermediate_conv=inter, rings=rings,
+           norm_gate=rnd(N, T, HV, V), norm_weight=torch.rand(V))
 accept = torch.tensor([2, 0], dtype=torch.int32)
 kdakit.commit_ring(state, *rings, idx, accept, track_slots=torch.tensor([3, -1], dtype=torch.int32),
                    track_steps=torch.tensor([0, 0], dtype=torch.int32), backend="triton")
@@ -172,14 +184,13 @@ kdakit.commit_tree_ring(t_state, *t_rings, idx, torch.tensor([[0, 1, 3, -1], [0,
                         torch.tensor([3, 4], dtype=torch.int32), backend="triton")
 # Ring mode's chunk form of trees (the ancestor-masked steps kernel), at any batch: conv, norm
 # and the safe gate (pair sums factored); the default gate (pair by pair).
-chunk_form_above, mtp_verify_module.RING_CHUNK_FORM_ABOVE = mtp_verify_module.RING_CHUNK_FORM_ABOVE, 0
+from kdakit.ops.tree_verify import tree_verify_config, tree_verify_triton  # noqa: E402
 n_before = len(COMPILED_FOR_TARGET)
-kdakit.tree_verify(tq, tk, tv, ta, tb, torch.rand(HT), torch.randn(HT * K), t_state, idx, scratch, t_parents,
-                   rings=t_rings, lower_bound=-5.0, norm_gate=rnd(N, TT, HT, V), norm_weight=torch.rand(V),
-                   backend="triton", **t_conv)
-kdakit.tree_verify(tq, tk, tv, ta, tb, torch.rand(HT), torch.randn(HT * K), t_state, idx, scratch, t_parents.long(),
-                   rings=t_rings, backend="triton")
-mtp_verify_module.RING_CHUNK_FORM_ABOVE = chunk_form_above
+chunk_form(tree_verify_triton, tree_verify_config, tq, tk, tv, ta, tb, torch.rand(HT), torch.randn(HT * K), t_state,
+           idx, scratch, t_parents, rings=t_rings, lower_bound=-5.0, norm_gate=rnd(N, TT, HT, V),
+           norm_weight=torch.rand(V), **t_conv)
+chunk_form(tree_verify_triton, tree_verify_config, tq, tk, tv, ta, tb, torch.rand(HT), torch.randn(HT * K), t_state,
+           idx, scratch, t_parents.long(), rings=t_rings)
 assert "_tree_verify_kernel" not in COMPILED_FOR_TARGET[n_before:], COMPILED_FOR_TARGET[n_before:]
 for name, op in OPS.items():  # each example is one more compile of its kernels: only where needed
     if name not in RAN:

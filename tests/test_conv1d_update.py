@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kdakit import reference
-from kdakit.ops.conv1d_update import causal_conv1d_update, causal_conv1d_update_triton
+from kdakit.ops.conv1d_update import Conv1dUpdateConfig, causal_conv1d_update, causal_conv1d_update_triton
 
 from helpers import POISON, assert_close, pick_slots, untouched_slots, noncontig_last, setter
 
@@ -98,7 +98,7 @@ def test_all_padding_and_no_padding(backend):
 
 
 def test_small_block_config_covers_every_channel():
-    run_case("triton", 3, 70, 4, config=(16, 1), seed=10)
+    run_case("triton", 3, 70, 4, config=Conv1dUpdateConfig(block_c=16, num_warps=1), seed=10)
 
 
 def test_bf16_post_conv_rounding_matches_reference_float32_path():

@@ -7,13 +7,13 @@ import torch
 
 import kdakit
 from kdakit import reference
-from kdakit.ops.conv1d_varlen import causal_conv1d_varlen, causal_conv1d_varlen_triton
+from kdakit.ops.conv1d_varlen import Conv1dVarlenConfig, causal_conv1d_varlen, causal_conv1d_varlen_triton
 
 from helpers import POISON, assert_close, setter
 
 BACKENDS = ["reference", "triton"]
 F32, BF16 = torch.float32, torch.bfloat16
-SMALL_TILES = (8, 16, 1)  # (BLOCK_T, BLOCK_C, num_warps): several token tiles and channel blocks at test sizes
+SMALL_TILES = Conv1dVarlenConfig(block_t=8, block_c=16, num_warps=1)  # several token tiles and channel blocks at test sizes
 
 # Lengths with a 1, some shorter than W-1, none a multiple of the tiles; T = 35. With 8-token
 # tiles the 9-token sequence starts on the first tile's last token: its next W-2 tokens spill.
@@ -145,10 +145,10 @@ def test_default_launch_config(backend):
 
 
 @pytest.mark.parametrize("lengths,config", [
-    ([3, 1, 1, 2, 7, 4, 1, 5, 2, 1, 3], (4, 16, 1)),     # tiles of W-1+1 tokens: starts on every tile edge
-    ([1] * 12, (4, 16, 1)),                              # one token per sequence (a decode-like batch)
-    ([7, 5, 6, 1, 3, 10], (8, 32, 2)),                   # first tokens just before a tile's end: spill
-    ([0, 4, 0, 0, 9, 0], (4, 16, 1)),                    # empty sequences (nothing written for them)
+    ([3, 1, 1, 2, 7, 4, 1, 5, 2, 1, 3], Conv1dVarlenConfig(4, 16, 1)),  # tiles of W-1+1 tokens: starts on every tile edge
+    ([1] * 12, Conv1dVarlenConfig(4, 16, 1)),                           # one token per sequence (a decode-like batch)
+    ([7, 5, 6, 1, 3, 10], Conv1dVarlenConfig(8, 32, 2)),                # first tokens just before a tile's end: spill
+    ([0, 4, 0, 0, 9, 0], Conv1dVarlenConfig(4, 16, 1)),                 # empty sequences (nothing written for them)
 ], ids=["tile-edges", "all-length-1", "spill", "empty-sequences"])
 @pytest.mark.parametrize("W", [3, 4], ids=lambda w: f"W{w}")
 def test_tile_boundaries(lengths, config, W):

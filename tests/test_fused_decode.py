@@ -1,11 +1,13 @@
 """Fused decode: both backends against the float64 reference, with poisoned outputs and pools;
 fused == the unfused triton chain; validation errors leave every buffer untouched."""
+import functools
+
 import pytest
 import torch
 
 from kdakit import reference
 from kdakit.ops.conv1d_update import causal_conv1d_update
-from kdakit.ops.fused_decode import fused_decode, fused_decode_triton
+from kdakit.ops.fused_decode import FusedDecodeConfig, fused_decode, fused_decode_triton
 from kdakit.ops.gated_rmsnorm import gated_rmsnorm
 from kdakit.ops.packed_decode import packed_decode
 
@@ -217,7 +219,7 @@ def test_triton_configs(config, H, HV, norm, V):
     ref_out, ref_state, ref_conv = ref_run(t, kw, scale=0.25)
     out = torch.full((5, 1, HV, V), POISON)
     fused_decode_triton(*(t[n] for n in ARGS), out, scale=0.25, lower_bound=None, norm_eps=1e-6,
-                        config=config, **{"norm_gate": None, "norm_weight": None, **kw})
+                        config=FusedDecodeConfig(*config), **{"norm_gate": None, "norm_weight": None, **kw})
     live = t["slot_indices"][t["slot_indices"] >= 0].long()
     assert_close(out, ref_out, 1e-5)
     assert_close(t["state"][live], ref_state[live], 1e-5)
@@ -233,7 +235,8 @@ def test_large_batch_runs_the_unfused_chain(H, HV, norm, monkeypatch):
     """Past CHAIN_ABOVE_PAIRS (request, head) pairs the op runs conv update -> packed decode
     -> gated norm: same contract (float64 reference, windows, unused slots, padding zero)."""
     from kdakit.ops import fused_decode as fused_module
-    monkeypatch.setattr(fused_module, "CHAIN_ABOVE_PAIRS", 0)
+    monkeypatch.setattr(fused_module, "fused_decode_config",
+                        functools.partial(fused_module.fused_decode_config, chain_above_pairs=0))
     t, kw = make_case(H, HV, 16, 16, norm=norm, batch=5, slots=9, num_padding=2, seed=21)
     if norm:  # a gate with a row stride: a view into a wider projection
         kw["norm_gate"] = torch.cat([kw["norm_gate"], torch.randn(5, 3)], dim=1)[:, :HV * 16]
@@ -255,14 +258,15 @@ def test_large_batch_runs_the_unfused_chain(H, HV, norm, monkeypatch):
 def test_plan_with_dependent_launches_is_the_chain():
     """Where kernels can be programmatic dependent launches the op runs the chain at every
     batch; elsewhere the one-kernel step up to CHAIN_ABOVE_PAIRS (request, head) pairs."""
-    from kdakit.ops.fused_decode import CHAIN_ABOVE_PAIRS, _chain_decode_config, _plan
-    assert _plan(1, 32, 32, 128, 128, pdl=True) == "chain"
-    assert _plan(1, 32, 32, 128, 128, pdl=False) != "chain"
-    assert _plan(CHAIN_ABOVE_PAIRS // 32 + 1, 32, 32, 128, 128, pdl=False) == "chain"
+    from kdakit.ops.fused_decode import CHAIN_ABOVE_PAIRS, chain_decode_config, fused_decode_config
+    assert fused_decode_config(1, 32, 32, 128, 128, pdl=True).chain
+    assert not fused_decode_config(1, 32, 32, 128, 128, pdl=False).chain
+    assert fused_decode_config(CHAIN_ABOVE_PAIRS // 32 + 1, 32, 32, 128, 128, pdl=False).chain
     # the chain's decode config covers V whatever the batch (float32 and bfloat16 pools)
     for batch in (1, 8, 32, 512):
         for itemsize in (4, 2):
-            block_v, tiles, *_ = _chain_decode_config(batch, 32, 128, 128, itemsize)
+            decode = chain_decode_config(batch, 32, 128, 128, itemsize)
+            block_v, tiles = decode.block_v, decode.v_tiles
             assert block_v * tiles <= 128 and 128 % (block_v * tiles) == 0
 
 

@@ -60,7 +60,7 @@ def test_rows_per_program(config, V):
     """Several rows a program (a row count that no ROWS divides, rows over two strided
     groups, a strided out): every row normed on its own, nothing written past the rows."""
     from kdakit import contracts
-    from kdakit.ops.gated_rmsnorm import gated_rmsnorm_triton
+    from kdakit.ops.gated_rmsnorm import GatedRMSNormConfig, gated_rmsnorm_triton
     gen = torch.Generator().manual_seed(5)
     T, HV = 7, 3
     x = torch.randn(T, HV, V, generator=gen).bfloat16()
@@ -69,16 +69,16 @@ def test_rows_per_program(config, V):
     wide_out = torch.full((T, HV, V + 3), POISON)
     out = wide_out[..., :V]
     groups = contracts.check_gated_rmsnorm(x, gate, weight, out, eps=1e-6)
-    gated_rmsnorm_triton(x, gate, weight, out, eps=1e-6, groups=groups, config=config)
+    gated_rmsnorm_triton(x, gate, weight, out, eps=1e-6, groups=groups, config=GatedRMSNormConfig(*config))
     assert_close(out, ref(x, gate, weight), 1e-6)
     assert (wide_out[..., V:] == POISON).all(), "bytes outside `out` must stay"
 
 
 def test_rows_per_program_pin():
-    from kdakit.ops.gated_rmsnorm import _launch_config
-    assert _launch_config(128, 1024) == (1, 1)   # one row a program up to 2048 rows
-    assert _launch_config(128, 4096) == (8, 4)   # then 8 rows on 4 warps
-    assert _launch_config(4096, 4096) == (1, 8)  # wide rows stay one a program
+    from kdakit.ops.gated_rmsnorm import GatedRMSNormConfig, gated_rmsnorm_config
+    assert gated_rmsnorm_config(128, 1024) == GatedRMSNormConfig(rows=1, num_warps=1)   # one row a program up to 2048 rows
+    assert gated_rmsnorm_config(128, 4096) == GatedRMSNormConfig(rows=8, num_warps=4)   # then 8 rows on 4 warps
+    assert gated_rmsnorm_config(4096, 4096) == GatedRMSNormConfig(rows=1, num_warps=8)  # wide rows stay one a program
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -1,6 +1,8 @@
 """Speculative verify and the commits: kernels against the float64 reference, the
 speculative loop against plain one-token decoding, ring commit == snapshot commit
 bitwise, and the DSpARK / ReplaySSM drop-ins with their exact error texts."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -16,11 +18,14 @@ RING_FORMS = ["chunked", "recurrent"]  # kdakit.ops.mtp_verify.ring_form: the ba
 
 @pytest.fixture
 def use_ring_form(monkeypatch):
-    """Force ring mode's form whatever the batch size (tests use tiny batches)."""
+    """Force ring mode's form whatever the batch size (tests use tiny batches): the public
+    entry's calls pick the pinned config with that form."""
     from kdakit.ops import mtp_verify as mtp_verify_module
+    pinned = mtp_verify_module.mtp_verify_config
 
     def use(form):
-        monkeypatch.setattr(mtp_verify_module, "RING_CHUNK_FORM_ABOVE", 0 if form == "chunked" else 1 << 30)
+        monkeypatch.setattr(mtp_verify_module, "mtp_verify_config",
+                            lambda *a, **kw: dataclasses.replace(pinned(*a, **kw), ring_form=form))
     return use
 F64 = torch.float64
 W = 4
@@ -65,6 +70,20 @@ def fresh_buffers(d, *, mode, snap_dtype=torch.float32, poison=7.0):
                          torch.full((d["slots"], d["HV"], L, d["K"]), poison),
                          torch.full((d["slots"], d["HV"], L), poison))
     return bufs
+
+
+def call_verify_triton(p, bufs, *, conv, lower_bound, config):
+    """``call_verify`` on the Triton backend with an explicit launch ``config``."""
+    from kdakit.ops.mtp_verify import mtp_verify_triton
+    out = torch.empty(p["v"].shape, dtype=p["q"].dtype)
+    return mtp_verify_triton(p["q"], p["k"], p["v"], p["a"], p["b"], p["A_log"], p["dt_bias"], p["state"],
+                             p["slot_indices"], p["scratch_indices"], out,
+                             conv_weights=p["conv_weights"] if conv else None,
+                             conv_states=p["conv_states"] if conv else None,
+                             intermediate_conv=bufs["intermediate_conv"] if conv else None, conv_bias=None,
+                             snapshots=bufs.get("snapshots"), rings=bufs.get("rings"), scale=p["q"].shape[-1] ** -0.5,
+                             lower_bound=lower_bound, norm_gate=p.get("norm_gate"), norm_weight=p.get("norm_weight"),
+                             norm_eps=1e-6, config=config)
 
 
 def call_verify(p, bufs, *, conv, lower_bound, backend=None, f64=False):
@@ -269,20 +288,18 @@ def test_ring_verify_on_a_16_bit_state_pool(pool_dtype, form, use_ring_form):
                          ids=["one-tile", "4-row-tiles", "4-row-tiles-3-per-commit-program", "commit-1-step-ahead"])
 @pytest.mark.parametrize("T", [1, 2, 5], ids=lambda t: f"T{t}")
 @pytest.mark.parametrize("form", RING_FORMS)
-def test_snapshot_and_ring_verify_agree_and_ring_commit_is_bitwise(T, tile_bytes, commit_tiles, steps_ahead, form,
-                                                                   monkeypatch, use_ring_form):
+def test_snapshot_and_ring_verify_agree_and_ring_commit_is_bitwise(T, tile_bytes, commit_tiles, steps_ahead, form):
     """Snapshot and ring verify (conv prologue kernel, then the recurrence or the chunk form)
     compute the same outputs and windows; a ring commit of any prefix equals the snapshot commit bitwise,
     whatever tile of state rows the recurrence kernels share, however many tiles a commit program folds and
     however far ahead it loads its rings."""
-    from kdakit.ops import commit as commit_module
-    from kdakit.ops import mtp_verify as mtp_verify_module
-    from kdakit.ops.mtp_verify import mtp_verify_triton
-    monkeypatch.setattr(mtp_verify_module, "RECURRENCE_TILE_BYTES", tile_bytes)
-    monkeypatch.setattr(commit_module, "COMMIT_TILES", commit_tiles)
-    monkeypatch.setattr(commit_module, "COMMIT_STEPS_AHEAD", steps_ahead)
-    use_ring_form(form)
+    from kdakit.ops.commit import CommitRingConfig, commit_ring_triton
+    from kdakit.ops.mtp_verify import mtp_verify_config, mtp_verify_triton, recurrence_tile
     p, d = make_problem(41, act=torch.bfloat16, conv=True, T=T, K=16, V=16, padding=True)
+    block_v, num_warps = recurrence_tile(d["V"], d["K"], tile_bytes)
+    verify_config = dataclasses.replace(mtp_verify_config(d["N"], T, d["HV"], d["V"], d["K"], -3.0), block_v=block_v,
+                                        num_warps=num_warps, ring_form=form)
+    commit_config = CommitRingConfig(block_v=block_v, num_warps=num_warps, tiles=commit_tiles, steps_ahead=steps_ahead)
     results = {}
     for mode in ("snapshot", "ring"):
         bufs = fresh_buffers(d, mode=mode)
@@ -291,7 +308,7 @@ def test_snapshot_and_ring_verify_agree_and_ring_commit_is_bitwise(T, tile_bytes
                           p["slot_indices"], p["scratch_indices"], out, conv_weights=p["conv_weights"],
                           conv_states=p["conv_states"], intermediate_conv=bufs["intermediate_conv"], conv_bias=None,
                           snapshots=bufs.get("snapshots"), rings=bufs.get("rings"), scale=16 ** -0.5,
-                          lower_bound=-3.0, norm_gate=None, norm_weight=None, norm_eps=1e-6)
+                          lower_bound=-3.0, norm_gate=None, norm_weight=None, norm_eps=1e-6, config=verify_config)
         results[mode] = (out, bufs)
     ref_out = call_verify(p, fresh_buffers(d, mode="snapshot", snap_dtype=F64), conv=True, lower_bound=-3.0,
                           f64=True)
@@ -313,23 +330,25 @@ def test_snapshot_and_ring_verify_agree_and_ring_commit_is_bitwise(T, tile_bytes
     snap_state, ring_state = p["state"].clone(), p["state"].clone()
     kdakit.commit_snapshots(snap_state, results["snapshot"][1]["snapshots"], slots, rows, accept - 1,
                             backend="triton")
-    kdakit.commit_ring(ring_state, *results["ring"][1]["rings"], slots, accept, backend="triton")
+    commit_ring_triton(ring_state, *results["ring"][1]["rings"], slots, accept, track_slots=None, track_steps=None,
+                       use_qk_l2norm=True, null_block_id=-1, config=commit_config)
     assert torch.equal(snap_state, ring_state), "ring commit must equal snapshot commit bitwise"
 
 
 @pytest.mark.parametrize("factored", [True, False], ids=["pair-sums-factored", "pair-sums-pairwise"])
 @pytest.mark.parametrize("T,lower_bound", [(4, -5.0), (11, -5.0), (8, -0.5)], ids=["T4-lb5", "T11-lb5", "T8-lb0.5"])
-def test_ring_chunk_form_pair_sums_both_ways(factored, T, lower_bound, monkeypatch, use_ring_form):
+def test_ring_chunk_form_pair_sums_both_ways(factored, T, lower_bound):
     """The chunk form's pair sums with the safe gate, factored (e^G_t · e^-G_s) or pair by
     pair, against float64 on a steep decay: the same outputs to float32 accuracy."""
-    from kdakit.ops import ring_verify
-    monkeypatch.setattr(ring_verify, "FACTORED_PAIR_SUMS", None if factored else False)
-    assert ring_verify.factored_pair_sums(T, lower_bound) == factored
-    use_ring_form("chunked")
+    from kdakit.ops.mtp_verify import mtp_verify_config
     p, d = make_problem(59, act=torch.float32, conv=False, T=T, K=48, V=24, H=1, HV=2)
+    config = mtp_verify_config(d["N"], T, d["HV"], d["V"], d["K"], lower_bound)
+    assert config.ring.factored, "the rule factors these"
+    config = dataclasses.replace(config, ring_form="chunked",
+                                 ring=dataclasses.replace(config.ring, factored=factored))
     p["A_log"] = torch.full_like(p["A_log"], 3.0)  # the gate at its bound: G reaches T * lower_bound
     ref_out = call_verify(p, fresh_buffers(d, mode="ring"), conv=False, lower_bound=lower_bound, f64=True)
-    out = call_verify(p, fresh_buffers(d, mode="ring"), conv=False, lower_bound=lower_bound, backend="triton")
+    out = call_verify_triton(p, fresh_buffers(d, mode="ring"), conv=False, lower_bound=lower_bound, config=config)
     assert_close(out, ref_out, 1e-5, "out")
 
 
@@ -347,13 +366,14 @@ def test_verify_conv_windows_both_store_paths(window_runs, T, V, W_conv, monkeyp
     (verify_conv.window_runs picks by T): both bitwise equal to the reference's raw inputs,
     with a partial channel block, a padding request's scratch row and step T untouched."""
     import sys
-    from kdakit.ops import verify_conv
-    monkeypatch.setattr(verify_conv, "WINDOW_RUNS", window_runs)
+    from kdakit.ops.mtp_verify import mtp_verify_config
     monkeypatch.setattr(sys.modules[__name__], "W", W_conv)  # the conv width make_problem uses
     p, d = make_problem(53, act=torch.bfloat16, conv=True, T=T, K=16, V=V, H=1, HV=2)
     assert p["conv_weights"][0].shape[1] == W_conv
+    config = mtp_verify_config(d["N"], T, d["HV"], d["V"], d["K"], -2.0)
+    config = dataclasses.replace(config, conv=dataclasses.replace(config.conv, window_runs=window_runs))
     got, want = fresh_buffers(d, mode="snapshot"), fresh_buffers(d, mode="snapshot")
-    call_verify(p, got, conv=True, lower_bound=-2.0, backend="triton")
+    call_verify_triton(p, got, conv=True, lower_bound=-2.0, config=config)
     call_verify(p, want, conv=True, lower_bound=-2.0, backend="reference")
     for g, w in zip(got["intermediate_conv"], want["intermediate_conv"]):
         assert torch.equal(g, w), "windows after each step (and every untouched position) bitwise"
@@ -363,19 +383,28 @@ def test_verify_conv_windows_both_store_paths(window_runs, T, V, W_conv, monkeyp
 
 @pytest.mark.parametrize("commit_tiles", [1, 4], ids=["tile-per-program", "4-tiles-per-program-1-step-ahead"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_commit_ring_track_slot_null_block_and_all_layers(backend, commit_tiles, monkeypatch):
-    from kdakit.ops import commit as commit_module
-    from kdakit.ops import mtp_verify as mtp_verify_module
+def test_commit_ring_track_slot_null_block_and_all_layers(backend, commit_tiles):
+    from kdakit.ops.commit import CommitRingConfig, commit_ring_triton
+    from kdakit.ops.mtp_verify import mtp_verify_config, recurrence_tile
+    p, d = make_problem(31, conv=False, act=torch.float32, padding=False)
+    bufs = fresh_buffers(d, mode="ring")
+    commit_config = None
     if commit_tiles > 1:  # 6 tiles of 4 rows (V = 24): one full program of 4 and one half-masked
         if backend == "reference":
             pytest.skip("tiles are a Triton launch parameter")
-        monkeypatch.setattr(mtp_verify_module, "RECURRENCE_TILE_BYTES", 256)
-        monkeypatch.setattr(commit_module, "COMMIT_TILES", commit_tiles)
-        monkeypatch.setattr(commit_module, "COMMIT_STEPS_AHEAD", 1)
-    p, d = make_problem(31, conv=False, act=torch.float32, padding=False)
-    bufs = fresh_buffers(d, mode="ring")
-    kdakit.mtp_verify(p["q"], p["k"], p["v"], p["a"], p["b"], p["A_log"], p["dt_bias"], p["state"],
-                      p["slot_indices"], p["scratch_indices"], rings=bufs["rings"], backend=backend)
+        block_v, num_warps = recurrence_tile(d["V"], d["K"], 256)
+        commit_config = CommitRingConfig(block_v=block_v, num_warps=num_warps, tiles=commit_tiles, steps_ahead=1)
+        config = dataclasses.replace(mtp_verify_config(d["N"], d["T"], d["HV"], d["V"], d["K"], None),
+                                     block_v=block_v, num_warps=num_warps)
+        call_verify_triton(p, bufs, conv=False, lower_bound=None, config=config)
+    else:
+        kdakit.mtp_verify(p["q"], p["k"], p["v"], p["a"], p["b"], p["A_log"], p["dt_bias"], p["state"],
+                          p["slot_indices"], p["scratch_indices"], rings=bufs["rings"], backend=backend)
+
+    def commit_ring(state, *args, **kw):
+        if commit_config is None:
+            return kdakit.commit_ring(state, *args, **kw, backend=backend)
+        return commit_ring_triton(state, *args, **kw, use_qk_l2norm=True, null_block_id=-1, config=commit_config)
     slots = p["slot_indices"]
     free = [s for s in range(d["slots"]) if s not in slots.tolist()]
     accept = torch.tensor([3, 0, 2], dtype=torch.int32)
@@ -386,13 +415,12 @@ def test_commit_ring_track_slot_null_block_and_all_layers(backend, commit_tiles,
                           accept, track_slots=track_slots, track_steps=track_steps, compute_dtype=F64)
     state = p["state"].clone()
     layered = torch.stack([p["state"].clone(), p["state"].clone()])
-    kdakit.commit_ring(state, *bufs["rings"], slots, accept, track_slots=track_slots, track_steps=track_steps,
-                       backend=backend)
+    commit_ring(state, *bufs["rings"], slots, accept, track_slots=track_slots, track_steps=track_steps)
     assert_close(state, want, 1e-5, "ring commit")
     assert torch.equal(state[free[1]], p["state"][free[1]]) and torch.equal(state[free[2]], p["state"][free[2]])
     assert torch.equal(state[slots[1]], p["state"][slots[1]]), "accept_len 0 leaves the slot"
-    kdakit.commit_ring(layered, *(torch.stack([r, r]) for r in bufs["rings"]), slots, accept,
-                       track_slots=track_slots, track_steps=track_steps, backend=backend)
+    commit_ring(layered, *(torch.stack([r, r]) for r in bufs["rings"]), slots, accept,
+                track_slots=track_slots, track_steps=track_steps)
     assert torch.equal(layered[0], state) and torch.equal(layered[1], state), "all-layers launch == per layer"
     # sglang's default null_block_id=0 skips slot 0 as well
     zero_slot = torch.tensor([0], dtype=torch.int32)

@@ -6,6 +6,9 @@ Every pool, scratch buffer and ring here is a view into a larger buffer poisoned
 sentinel before and after it; the bad index points into the poisoned part. The rest of the
 larger buffer must stay bitwise unchanged, the bad row's output be zero, and everything
 else equal what the same call gives with that row as a padding row (slot -1)."""
+import dataclasses
+import functools
+
 import pytest
 import torch
 
@@ -318,12 +321,14 @@ def configure(monkeypatch, request):
     from kdakit.ops import fused_decode as fused_module
     from kdakit.ops import mtp_verify as verify_module
     name = request.node.callspec.id
-    if "ring-chunked" in name:
-        monkeypatch.setattr(verify_module, "RING_CHUNK_FORM_ABOVE", 0)
-    if "ring-recurrent" in name:
-        monkeypatch.setattr(verify_module, "RING_CHUNK_FORM_ABOVE", 1 << 30)
+    for form in ("chunked", "recurrent"):
+        if f"ring-{form}" in name:
+            pinned = verify_module.mtp_verify_config
+            monkeypatch.setattr(verify_module, "mtp_verify_config",
+                                lambda *a, form=form, **kw: dataclasses.replace(pinned(*a, **kw), ring_form=form))
     if "chain" in name:
-        monkeypatch.setattr(fused_module, "CHAIN_ABOVE_PAIRS", 0)
+        monkeypatch.setattr(fused_module, "fused_decode_config",
+                            functools.partial(fused_module.fused_decode_config, chain_above_pairs=0))
     monkeypatch.delenv("KDAKIT_CHECKS", raising=False)
 
 

@@ -130,10 +130,13 @@ def test_sglang_compat_returns_callers_objects(backend, monkeypatch):
     assert_close(state, ref_state, 1e-5)
 
 
-@pytest.mark.parametrize("config", [(8, 2, 1, 2, ""), (4, 4, 1, 1, "evict_first")], ids=["bv8-tiles2", "bv4-tiles4"])
+@pytest.mark.parametrize("config", [dict(block_v=8, v_tiles=2, num_warps=1, num_stages=2),
+                                    dict(block_v=4, v_tiles=4, num_warps=1, num_stages=1, evict="evict_first")],
+                         ids=["bv8-tiles2", "bv4-tiles4"])
 def test_triton_multi_tile_configs(config):
     """Configs the benchmark sweeps (several V tiles per program) compute the same thing."""
     from kdakit.ops import packed_decode as mod
+    config = mod.PackedDecodeConfig(**config)
     gen = torch.Generator().manual_seed(8)
     B, H, HV, K, V = 3, 1, 2, 16, 40
     mixed = torch.randn(B, 2 * H * K + HV * V, generator=gen)

@@ -203,7 +203,8 @@ def test_generated_triton_code(monkeypatch, state_dtype, lower_bound, use_qk_l2n
                             compute_dtype=torch.float64)
     out = torch.full((B, 1, HV, V), POISON)
     helion_mod.packed_decode_helion(mixed, a, b, A_log, dt_bias, state, idx, out, scale=K ** -0.5,
-                                    use_qk_l2norm=use_qk_l2norm, lower_bound=lower_bound, config=(8, 1))
+                                    use_qk_l2norm=use_qk_l2norm, lower_bound=lower_bound,
+                                    config=helion_mod.HelionPackedDecodeConfig(block_v=8, num_warps=1))
     tol = tol_for(state_dtype)
     live = [int(s) for s in idx if s >= 0]
     assert_close(out, ref_out, tol, "out")

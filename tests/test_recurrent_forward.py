@@ -8,7 +8,7 @@ import torch
 
 import kdakit  # noqa: F401
 from kdakit import backends, reference
-from kdakit.ops.recurrent_forward import recurrent_forward, recurrent_forward_triton
+from kdakit.ops.recurrent_forward import RecurrentForwardConfig, recurrent_forward, recurrent_forward_triton
 
 from fla_oracle import fla_log_gate, fla_varlen
 from helpers import POISON, assert_close, kda_params, random_pool, tol_for
@@ -291,7 +291,7 @@ def test_triton_tile_configs(config):
     recurrent_forward_triton(x["q"], x["k"], x["v"], x["g"], x["beta"], state, idx, out, cu_seqlens=cu,
                              scale=K ** -0.5, use_qk_l2norm=True, A_log=A_log, dt_bias=dt_bias, lower_bound=None,
                              beta_mode=1, num_accepted_tokens=None, token_states=None, write_final_state=True,
-                             final_states=None, config=config)
+                             final_states=None, config=RecurrentForwardConfig(*config))
     assert_close(out, ref_out, 1e-5)
     assert_close(state, ref_pool, 1e-5)
 

@@ -3,6 +3,8 @@ reference; a chain-shaped tree equals the chain verify bitwise; padding rows, po
 buffers, invalid parents and the error contract; commit of an accepted node; and rounds of
 tree speculation whose committed states, windows and outputs equal plain one-token decoding
 of the accepted paths."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -382,9 +384,17 @@ def test_ring_chunk_form_matches_reference_and_ring_commit_is_bitwise(conv, norm
     counts bit for bit the recurrence's; commit_tree_ring of every node's path equals the
     snapshot-mode snapshot bit for bit; padding rows (a free slot, a slot and a scratch row
     past their buffers) zero and unwritten; an invalid parent is the committed state."""
-    from kdakit.ops import mtp_verify as mtp_verify_module, ring_verify
-    monkeypatch.setattr(ring_verify, "FACTORED_PAIR_SUMS", None if factored else False)
-    assert ring_verify.factored_pair_sums(T, lower_bound) == factored
+    from kdakit.ops import ring_verify, tree_verify as tree_verify_module
+    pinned = tree_verify_module.tree_verify_config
+
+    def pick(form):
+        """The pinned config with ring mode's form forced, the pair sums factored only where asked and the rule allows."""
+        def config(*args, **kw):
+            config = pinned(*args, **kw)
+            return dataclasses.replace(config, ring_form=form,
+                                       ring=dataclasses.replace(config.ring, factored=factored and config.ring.factored))
+        return config
+    assert (factored and ring_verify.factored_pair_sums(T, lower_bound)) == factored
     p, d = make_problem(83, N=5, T=T, HV=HV, act=act, conv=conv, norm=norm, K=16, V=24, slots=7, scratch=6)
     p["slot_indices"][1] = -1
     for name in ("q", "k", "v", "a", "b"):        # a free row's tokens may be anything
@@ -399,8 +409,8 @@ def test_ring_chunk_form_matches_reference_and_ring_commit_is_bitwise(conv, norm
     call_tree(p, snap_bufs, conv=conv, lower_bound=lower_bound, backend="triton")
     snap_errors = kdakit.take_errors()
     results = {}
-    for form, above in (("recurrent", 1 << 30), ("chunked", 0)):
-        monkeypatch.setattr(mtp_verify_module, "RING_CHUNK_FORM_ABOVE", above)
+    for form in ("recurrent", "chunked"):
+        monkeypatch.setattr(tree_verify_module, "tree_verify_config", pick(form))
         bufs, rings = fresh_buffers(d), ring_buffers(d)
         out = call_tree(p, dict(bufs, snapshots=None), conv=conv, lower_bound=lower_bound, backend="triton",
                         rings=rings)

@@ -8,6 +8,8 @@ state pool with a leading layer dimension commits every layer in one launch.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -158,21 +160,35 @@ _gather_copy = CachedKernel(_gather_copy_kernel)
 # ----------------------------------------------------------------------------
 # Ring commit
 # ----------------------------------------------------------------------------
-# Recurrence tiles folded per program of the ring commit, in turn (the next one's state
-# loading while this one folds), and how many steps ahead each step's ring rows load (1 or
-# 2); a benchmark sweep may set them (bench_mtp.py --commit-tiles <tiles>:<steps ahead>).
-# One tile, two steps ahead: results/mtp_commit_steps_ahead_repeat_h200.json, N = 64 / 256,
-# 4 steps 76.3 / 284 us against 79.6 / 306 one step ahead, 8 steps 94.9 / 336 against
-# 103.5 / 366; two tiles two ahead in between (mtp_commit_steps_ahead_h200.json likewise).
-# The kernel keeps its tile loop at one tile: written without it, the same kernel measured
-# no gain from two steps ahead (mtp_commit_ahead_h200.json).
-COMMIT_TILES = 1
-COMMIT_STEPS_AHEAD = 2
+@dataclass(frozen=True)
+class CommitRingConfig:
+    """Launch configuration of one ring commit (``commit_ring_config`` picks it from the
+    shapes). ``block_v``, ``num_warps``: the verify recurrence's tile (``recurrence_tile``:
+    the same tile as the verify, so a ring commit equals a snapshot commit bitwise);
+    ``tiles``: recurrence tiles folded per program, in turn (the next one's state loading
+    while this one folds); ``steps_ahead``: how far ahead each step's ring rows load (1 or 2).
+    A benchmark sweep passes its own (bench_mtp.py --commit-tiles <tiles>:<steps ahead>).
+    One tile, two steps ahead: results/mtp_commit_steps_ahead_repeat_h200.json, N = 64 / 256,
+    4 steps 76.3 / 284 us against 79.6 / 306 one step ahead, 8 steps 94.9 / 336 against
+    103.5 / 366; two tiles two ahead in between (mtp_commit_steps_ahead_h200.json likewise).
+    The kernel keeps its tile loop at one tile: written without it, the same kernel measured
+    no gain from two steps ahead (mtp_commit_ahead_h200.json)."""
+    block_v: int
+    num_warps: int = 1
+    tiles: int = 1
+    steps_ahead: int = 2
+
+
+def commit_ring_config(V: int, K: int) -> CommitRingConfig:
+    """The ring commit's pinned config."""
+    block_v, num_warps = recurrence_tile(V, K)
+    return CommitRingConfig(block_v=block_v, num_warps=num_warps)
 
 
 @register("commit_ring", "triton")
 def commit_ring_triton(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, accept_lens, *, track_slots,
-                       track_steps, use_qk_l2norm, null_block_id):
+                       track_steps, use_qk_l2norm, null_block_id, config: CommitRingConfig | None = None):
+    """``config`` overrides the pinned choice (``commit_ring_config``; sweeps, tests)."""
     layered = state.dim() == 5
     if not layered:
         state, ring_k, ring_v, ring_g, ring_beta = (t.unsqueeze(0) for t in (state, ring_k, ring_v, ring_g,
@@ -182,8 +198,9 @@ def commit_ring_triton(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, a
     N = slot_indices.shape[0]
     if N == 0 or num_layers == 0:
         return
-    block_v, num_warps = recurrence_tile(V, K)
-    tiles = max(1, min(COMMIT_TILES, cdiv(V, block_v)))
+    cfg = config or commit_ring_config(V, K)
+    block_v, num_warps = cfg.block_v, cfg.num_warps
+    tiles = max(1, min(cfg.tiles, cdiv(V, block_v)))
     track = track_slots is not None
     grid = (cdiv(V, block_v * tiles), num_layers * HV, N)
     _commit_ring(grid, (
@@ -194,7 +211,7 @@ def commit_ring_triton(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, a
         ring_g.stride(0) if layered else 0, ring_g.stride(1), ring_beta.stride(0) if layered else 0,
         ring_beta.stride(1), ring_len, int(null_block_id), state.shape[1]),
         dict(H=H, HV=HV, K=K, V=V, BLOCK_K=next_power_of_2(K),
-             BLOCK_V=block_v, TILES=tiles, STEPS_AHEAD=COMMIT_STEPS_AHEAD,
+             BLOCK_V=block_v, TILES=tiles, STEPS_AHEAD=cfg.steps_ahead,
              USE_QK_L2NORM=bool(use_qk_l2norm), TRACK=track, ERR_INDEX=errors.INDEX["commit_ring"]),
         num_warps=num_warps, num_stages=1)
 

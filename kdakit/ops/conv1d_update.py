@@ -9,6 +9,8 @@ output, no pool access; so is a slot past the pool, which is counted (``kdakit.t
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -48,18 +50,25 @@ def _causal_conv1d_update_kernel(
 _causal_conv1d_update = CachedKernel(_causal_conv1d_update_kernel)
 
 
-def _launch_config(channels: int) -> tuple:
-    """(BLOCK_C, num_warps), pinned (no autotune): 256 channels (4 a thread, 2 warps) per
-    program; a few KB of window per program keeps many programs in flight at B = 1."""
+@dataclass(frozen=True)
+class Conv1dUpdateConfig:
+    """Launch configuration of one call (``conv1d_update_config`` picks it from the shapes)."""
+    block_c: int            # channels per program
+    num_warps: int = 1
+
+
+def conv1d_update_config(channels: int) -> Conv1dUpdateConfig:
+    """Pinned (no autotune): 256 channels (4 a thread, 2 warps) per program; a few KB of
+    window per program keeps many programs in flight at B = 1."""
     block_c = min(256, next_power_of_2(channels))
-    return block_c, 2 if block_c >= 256 else 1
+    return Conv1dUpdateConfig(block_c=block_c, num_warps=2 if block_c >= 256 else 1)
 
 
 @register("causal_conv1d_update", "triton")
-def causal_conv1d_update_triton(x, conv_state, weight, slot_indices, out, *, bias=None, config=None,
-                                launch_dependents=False, num_slots=None,
+def causal_conv1d_update_triton(x, conv_state, weight, slot_indices, out, *, bias=None,
+                                config: Conv1dUpdateConfig | None = None, launch_dependents=False, num_slots=None,
                                 err_index=errors.INDEX["causal_conv1d_update"]):
-    """``config = (BLOCK_C, num_warps)`` overrides the pinned choice (sweeps, tests);
+    """``config`` overrides the pinned choice (``conv1d_update_config``; sweeps, tests);
     ``launch_dependents``: the next kernel, a programmatic dependent launch, may start early.
     ``num_slots`` (default: the pool's): slots from there on are padding, counted on
     counter ``err_index`` (``errors.NO_COUNT``: not counted)."""
@@ -67,7 +76,8 @@ def causal_conv1d_update_triton(x, conv_state, weight, slot_indices, out, *, bia
     if B == 0:
         return out
     W = weight.shape[1]
-    block_c, num_warps = config or _launch_config(C)
+    cfg = config or conv1d_update_config(C)
+    block_c, num_warps = cfg.block_c, cfg.num_warps
     _causal_conv1d_update(
         (cdiv(C, block_c), B, 1),
         (x, conv_state, weight, bias if bias is not None else weight, slot_indices, out, errors.counters(x.device),

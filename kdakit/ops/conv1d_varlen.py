@@ -21,6 +21,8 @@ in a CUDA graph.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -171,26 +173,35 @@ def _causal_conv1d_varlen_kernel(
 _causal_conv1d_varlen = CachedKernel(_causal_conv1d_varlen_kernel)
 
 
-def _launch_config(x: torch.Tensor, channels: int) -> tuple:
-    """(BLOCK_T, BLOCK_C, num_warps), pinned (no autotune). Tiles of 32 tokens x 128 channels
+@dataclass(frozen=True)
+class Conv1dVarlenConfig:
+    """Launch configuration of one call (``conv1d_varlen_config`` picks it from the shapes)."""
+    block_t: int            # tokens per tile (>= W - 1)
+    block_c: int            # channels per tile
+    num_warps: int = 4
+
+
+def conv1d_varlen_config(x: torch.Tensor, channels: int) -> Conv1dVarlenConfig:
+    """Pinned (no autotune) from x's layout and the channels. Tiles of 32 tokens x 128 channels
     (4 KB of bf16 read and written per program, 4 warps); 64 tokens x 64 channels when x is the
     transposed view (tokens contiguous), so each channel's run of a tile fills a 128-byte line."""
     block_c = min(64 if x.stride(0) == 1 and x.shape[0] > 1 else 128, next_power_of_2(channels))
     block_t = 64 if block_c == 64 else 32
-    return block_t, block_c, 4
+    return Conv1dVarlenConfig(block_t=block_t, block_c=block_c, num_warps=4)
 
 
 @register("causal_conv1d_varlen", "triton")
 def causal_conv1d_varlen_triton(x, conv_state, weight, cu_seqlens, slot_indices, out, *, has_initial_state=None,
-                                bias=None, activation=True, config=None):
-    """``config = (BLOCK_T, BLOCK_C, num_warps)`` overrides the pinned choice (sweeps, tests);
-    ``BLOCK_T >= W - 1``."""
+                                bias=None, activation=True, config: Conv1dVarlenConfig | None = None):
+    """``config`` overrides the pinned choice (``conv1d_varlen_config``; sweeps, tests);
+    ``block_t >= W - 1``."""
     T, C = x.shape
     if T == 0:
         return out
     W = weight.shape[1]
     N = cu_seqlens.numel() - 1
-    block_t, block_c, num_warps = config or _launch_config(x, C)
+    cfg = config or conv1d_varlen_config(x, C)
+    block_t, block_c, num_warps = cfg.block_t, cfg.block_c, cfg.num_warps
     if block_t < W - 1:
         raise ValueError(f"BLOCK_T={block_t} must be >= W-1={W - 1} (a sequence's window readers span two tiles "
                          "at most).")

@@ -12,17 +12,18 @@ either pool, which is counted (``kdakit.take_errors``).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 import torch
 import triton
 import triton.language as tl
 
 from .. import contracts, errors, reference
 from ..backends import register, select
-from .conv1d_update import causal_conv1d_update_triton
-from .gated_rmsnorm import gated_rmsnorm_after
+from .conv1d_update import Conv1dUpdateConfig, causal_conv1d_update_triton
+from .gated_rmsnorm import GatedRMSNormConfig, gated_rmsnorm_after
 from .launch import CachedKernel, arrival_counters, cdiv, next_power_of_2, pdl_available
-from .packed_decode import _launch_config as packed_launch_config
-from .packed_decode import packed_decode_triton
+from .packed_decode import PackedDecodeConfig, packed_decode_config, packed_decode_triton
 from .registry import example_index, example_rand, example_randn, example_rng, kdakit_op
 from .triton_math import (conv_apply, conv_inputs, count_bad_row, delta_rule_update, gated_rmsnorm_rows,
                           kda_log_decay, l2_normalize, mask_if, shift_window, short_conv)
@@ -185,8 +186,24 @@ def _fused_decode_kernel(
 _fused_decode = CachedKernel(_fused_decode_kernel)
 
 
-def _launch_config(batch: int, H: int, HV: int, V: int, K: int) -> tuple:
-    """(BLOCK_V, V_TILES, num_warps), pinned from the H200 sweeps
+@dataclass(frozen=True)
+class FusedDecodeConfig:
+    """Launch configuration of one step (``fused_decode_config`` picks it from the shapes).
+    ``chain=False``: the one-kernel step, each program streaming ``v_tiles`` tiles of
+    ``block_v`` rows, as many programs per head as cover V. ``chain=True``: the unfused
+    chain (conv update -> packed decode -> gated norm) with those kernels' configs
+    (None: their own pickers; the decode's is ``chain_decode_config``)."""
+    block_v: int = 0
+    v_tiles: int = 1
+    num_warps: int = 1
+    chain: bool = False
+    conv: Conv1dUpdateConfig | None = None
+    decode: PackedDecodeConfig | None = None
+    norm: GatedRMSNormConfig | None = None
+
+
+def one_kernel_config(batch: int, H: int, HV: int, V: int, K: int) -> FusedDecodeConfig:
+    """The one-kernel step's tiles, pinned from the H200 sweeps
     (benchmarks/results/fused_decode_*sweep_h200.json; the last, fused_decode_tiles_sweep_h200):
     up to 64 (request, head) pairs, V split over programs of one 8 KB tile (N = 1: 7.7 us
     against 18.9 us for one program per head); up to 256, over four programs of four 4 KB
@@ -197,48 +214,51 @@ def _launch_config(batch: int, H: int, HV: int, V: int, K: int) -> tuple:
     rows = max(1, min(next_power_of_2(V), 4096 // (next_power_of_2(K) * 4)))
     pairs = batch * HV
     if pairs <= 64:
-        return 2 * rows, 1, 1
+        return FusedDecodeConfig(block_v=2 * rows, v_tiles=1, num_warps=1)
     if pairs <= 256:
-        return rows, 4, 1
+        return FusedDecodeConfig(block_v=rows, v_tiles=4, num_warps=1)
     if HV != H:
-        return rows, 1, 1
-    return rows, cdiv(V, rows), 1
+        return FusedDecodeConfig(block_v=rows, v_tiles=1, num_warps=1)
+    return FusedDecodeConfig(block_v=rows, v_tiles=cdiv(V, rows), num_warps=1)
 
 
 # Above this many (request, value head) pairs the three-kernel chain (conv update, packed
 # decode, gated norm) beats the fused kernel on the H200 (fused_decode_final2_h200.json:
 # N = 128 156.2 vs 162.4 us, N = 512 592.5 vs 623.1 us; N = 32 44.7 vs 45.0), so the op runs
-# the chain there: the same numbers (both round the post-conv values and o alike).
+# the chain there: the same numbers (both round the post-conv values and o alike). The
+# picker's default (a sweep or a test passes its own ``chain_above_pairs``, or a config).
 CHAIN_ABOVE_PAIRS = 1024
 
 
-def _plan(batch: int, H: int, HV: int, V: int, K: int, pdl: bool):
-    """Which kernels run the step: "chain", or a fused-kernel config (see fused_decode_triton).
+def fused_decode_config(batch: int, H: int, HV: int, V: int, K: int, *, pdl: bool,
+                        chain_above_pairs: int = CHAIN_ABOVE_PAIRS) -> FusedDecodeConfig:
+    """Which kernels run the step: the chain, or the one-kernel step (``one_kernel_config``).
     With programmatic dependent launches the chain won at every batch on the H200
     (fused_decode_pdl_h200.json, fused_decode_two_kernels_sweep_h200.json: N = 1 5.7-5.8 us
     against 7.6-7.7 for the one-kernel step and 6.0 for the best two-kernel plan, measured
     and removed). Without them (before Hopper, or KDAKIT_PDL=0), the one-kernel step up to
-    CHAIN_ABOVE_PAIRS."""
-    if pdl or batch * HV > CHAIN_ABOVE_PAIRS:
-        return "chain"
-    return _launch_config(batch, H, HV, V, K)
+    ``chain_above_pairs`` (request, value head) pairs."""
+    if pdl or batch * HV > chain_above_pairs:
+        return FusedDecodeConfig(chain=True)
+    return one_kernel_config(batch, H, HV, V, K)
 
 
-def _chain_decode_config(batch: int, HV: int, V: int, K: int, state_itemsize: int) -> tuple:
+def chain_decode_config(batch: int, HV: int, V: int, K: int, state_itemsize: int) -> PackedDecodeConfig:
     """The chain's packed-decode launch config: packed decode's own, except that from 33 to
     1024 (request, head) pairs a one-tile program streams two half tiles instead
     (fused_decode_chain_sweep_h200.json, where the decode starts before the conv ends and
     its first state tile loads before it waits: N = 8 13.8 against 14.7 us, N = 32 41.3
     against 41.5; one 4 KB tile was best at N = 1, 128 and 512)."""
-    block_v, tiles, *rest = packed_launch_config(batch, HV, V, K, state_itemsize)
-    if 32 < batch * HV <= 1024 and tiles == 1 and block_v > 1:
-        return block_v // 2, 2, *rest
-    return block_v, tiles, *rest
+    config = packed_decode_config(batch, HV, V, K, state_itemsize)
+    if 32 < batch * HV <= 1024 and config.v_tiles == 1 and config.block_v > 1:
+        return replace(config, block_v=config.block_v // 2, v_tiles=2)
+    return config
 
 
 def _unfused_chain(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, state, slot_indices, out, *, conv_bias,
-                   scale, lower_bound, norm_gate, norm_weight, norm_eps, pdl=None, conv_config=None,
-                   decode_config=None, norm_config=None):
+                   scale, lower_bound, norm_gate, norm_weight, norm_eps, pdl=None,
+                   conv_config: Conv1dUpdateConfig | None = None, decode_config: PackedDecodeConfig | None = None,
+                   norm_config: GatedRMSNormConfig | None = None):
     """conv -> packed decode (-> gated norm). ``pdl`` (default: ``pdl_available``): each
     kernel after the first is a programmatic dependent launch of the one before, so its
     launch and its loads of what the one before does not write (the state tiles, the
@@ -255,7 +275,7 @@ def _unfused_chain(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, state, sl
     o = torch.empty(out.shape, dtype=out.dtype, device=out.device) if has_norm else out
     packed_decode_triton(mixed, a, b, A_log, dt_bias, state, slot_indices, o, scale=scale, use_qk_l2norm=True,
                          lower_bound=lower_bound, wait_for_qkv=pdl,
-                         config=decode_config or _chain_decode_config(B, HV, V, K, state.element_size()),
+                         config=decode_config or chain_decode_config(B, HV, V, K, state.element_size()),
                          launch_dependents=pdl and has_norm, num_slots=num_slots, err_index=errors.NO_COUNT)
     if has_norm:
         gated_rmsnorm_after(o, norm_gate.unflatten(-1, (HV, V)).unsqueeze(1), norm_weight, out, eps=norm_eps,
@@ -265,10 +285,10 @@ def _unfused_chain(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, state, sl
 
 @register("fused_decode", "triton")
 def fused_decode_triton(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, state, slot_indices, out, *,
-                        conv_bias, scale, lower_bound, norm_gate, norm_weight, norm_eps, config=None, pdl=None):
-    """``config = (BLOCK_V, V_TILES, num_warps)`` runs the one-kernel step with that launch
-    config (sweeps): each program streams V_TILES tiles of BLOCK_V rows, as many programs
-    per head as cover V; ``config = "chain"`` the unfused chain. ``pdl`` (default
+                        conv_bias, scale, lower_bound, norm_gate, norm_weight, norm_eps,
+                        config: FusedDecodeConfig | None = None, pdl=None):
+    """``config`` overrides the pinned choice (``fused_decode_config``; sweeps, tests): the
+    one-kernel step with its tiles, or the unfused chain. ``pdl`` (default
     ``pdl_available``): the chain's later kernels start while the one before ends."""
     B = qkv.shape[0]
     _, HV, V, K = state.shape
@@ -276,13 +296,14 @@ def fused_decode_triton(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, stat
     if B == 0:
         return out
     pdl = pdl_available(qkv.device) if pdl is None else pdl
-    plan = config or _plan(B, H, HV, V, K, pdl)
-    if plan == "chain":
+    plan = config or fused_decode_config(B, H, HV, V, K, pdl=pdl)
+    if plan.chain:
         return _unfused_chain(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, state, slot_indices, out,
                               conv_bias=conv_bias, scale=scale, lower_bound=lower_bound, norm_gate=norm_gate,
-                              norm_weight=norm_weight, norm_eps=norm_eps, pdl=pdl)
+                              norm_weight=norm_weight, norm_eps=norm_eps, pdl=pdl, conv_config=plan.conv,
+                              decode_config=plan.decode, norm_config=plan.norm)
     has_norm = norm_weight is not None
-    block_v, v_tiles, num_warps = plan
+    block_v, v_tiles, num_warps = plan.block_v, plan.v_tiles, plan.num_warps
     v_tiles = min(v_tiles, cdiv(V, block_v))  # no program streams tiles past V
     programs_per_head = cdiv(V, block_v * v_tiles)
     split = programs_per_head * (HV // H) > 1

@@ -6,6 +6,8 @@ has ``x``'s shape. Math in float32, one rounding at the store.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -48,27 +50,36 @@ def _gated_rmsnorm_kernel(
 _gated_rmsnorm = CachedKernel(_gated_rmsnorm_kernel)
 
 
-def _launch_config(V: int, rows: int) -> tuple:
-    """(ROWS, num_warps), pinned: ~8 elements a thread, 1..8 warps. One row a program up
+@dataclass(frozen=True)
+class GatedRMSNormConfig:
+    """Launch configuration of one call (``gated_rmsnorm_config`` picks it from the shapes)."""
+    rows: int = 1           # rows per program
+    num_warps: int = 1
+
+
+def gated_rmsnorm_config(V: int, rows: int) -> GatedRMSNormConfig:
+    """Pinned: ~8 elements a thread, 1..8 warps. One row a program up
     to 2048 rows, 8 rows a program beyond (the decode step's norm on the H200,
     fused_decode_norm_rows_h200.json: N = 512 requests x 32 heads 575.7 us against 587.1
     for the step, N = 128 152.4 against 153.6; at 1024 rows and below one row a program
     was as fast or faster: N = 32 41.65 against 41.9-42.1)."""
     block_v = next_power_of_2(V)
     per_program = 8 if rows > 2048 and block_v <= 1024 else 1
-    return per_program, min(8, max(1, per_program * block_v // 256))
+    return GatedRMSNormConfig(rows=per_program, num_warps=min(8, max(1, per_program * block_v // 256)))
 
 
 @register("gated_rmsnorm", "triton")
-def gated_rmsnorm_triton(x, gate, weight, out, *, eps, groups, wait_for_x=False, config=None):
+def gated_rmsnorm_triton(x, gate, weight, out, *, eps, groups, wait_for_x=False,
+                         config: GatedRMSNormConfig | None = None):
     """``wait_for_x``: a programmatic dependent launch after the kernel that writes ``x``;
-    ``config = (ROWS, num_warps)`` overrides the pinned choice (sweeps, tests)."""
+    ``config`` overrides the pinned choice (``gated_rmsnorm_config``; sweeps, tests)."""
     n_outer, n_inner, ((sxo, sxi), (sgo, sgi), (soo, soi)) = groups
     rows = n_outer * n_inner
     if rows == 0:
         return out
     V = x.shape[-1]
-    rows_per_program, num_warps = config or _launch_config(V, rows)
+    cfg = config or gated_rmsnorm_config(V, rows)
+    rows_per_program, num_warps = cfg.rows, cfg.num_warps
     _gated_rmsnorm(
         (cdiv(rows, rows_per_program), 1, 1),
         (x, gate, weight, out, rows, n_inner, sxo, sxi, sgo, sgi, soo, soi, float(eps)),
@@ -77,7 +88,7 @@ def gated_rmsnorm_triton(x, gate, weight, out, *, eps, groups, wait_for_x=False,
     return out
 
 
-def gated_rmsnorm_after(x, gate, weight, out, *, eps, wait_for_x, config=None):
+def gated_rmsnorm_after(x, gate, weight, out, *, eps, wait_for_x, config: GatedRMSNormConfig | None = None):
     """The Triton norm of ``x``, an intermediate another kdakit kernel has just written
     (``wait_for_x``: launched as its programmatic dependent); shapes already valid."""
     groups = contracts.check_gated_rmsnorm(x, gate, weight, out, eps=eps, full_checks=False)

@@ -17,6 +17,8 @@ computed the outputs.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -27,9 +29,9 @@ from ..backends import register, select
 from .gated_rmsnorm import gated_rmsnorm_after
 from .launch import CachedKernel, cdiv, next_power_of_2, pdl_available
 from .registry import example_index, example_rand, example_randn, example_rng, kdakit_op
-from .ring_verify import ring_verify
+from .ring_verify import RingVerifyConfig, ring_verify, ring_verify_config
 from .triton_math import count_bad_row, delta_rule_update, kda_log_decay, l2_normalize, mask_if, verify_request
-from .verify_conv import verify_conv
+from .verify_conv import VerifyConvConfig, verify_conv, verify_conv_config
 
 
 @triton.jit
@@ -124,31 +126,53 @@ def _mtp_verify_kernel(
 _mtp_verify = CachedKernel(_mtp_verify_kernel)
 
 
-# Bytes of float32 state rows per one-warp program of the verify recurrence; a benchmark
-# sweep may set it (``benchmarks/bench_mtp.py --tile-bytes``); the kernels below read it per call.
+# Bytes of float32 state rows per one-warp program of the verify recurrence: the pickers'
+# default (a benchmark sweep passes its own, ``benchmarks/bench_mtp.py --tile-bytes``).
 RECURRENCE_TILE_BYTES = 4096
 
 
-def recurrence_tile(V: int, K: int) -> tuple[int, int]:
+def recurrence_tile(V: int, K: int, tile_bytes: int = RECURRENCE_TILE_BYTES) -> tuple[int, int]:
     """(BLOCK_V, num_warps) of every kernel that runs the verify recurrence: one warp on
-    RECURRENCE_TILE_BYTES of float32 state rows. The ring commit replays with the same tile,
+    ``tile_bytes`` of float32 state rows. The ring commit replays with the same tile,
     so its reductions round exactly like the verify's and a ring commit equals a snapshot
     commit bitwise; that is also why the output norm runs as a second kernel rather than on
     a full-row tile."""
-    rows = RECURRENCE_TILE_BYTES // (next_power_of_2(K) * 4)
+    rows = tile_bytes // (next_power_of_2(K) * 4)
     return max(1, min(next_power_of_2(V), rows)), 1
 
 
 # Ring mode runs the chunk form above this many (request, value head, step) triples and the
 # recurrence at or below it (results/mtp_ring_forms_h200.json, H = 32: the recurrence wins at
 # N <= 16 with 2 steps and N <= 4 with 4 or 8; from N = 8 with 8 steps the chunk form is
-# 1.5x faster). A benchmark sweep may set it (bench_mtp.py --ring-sweep).
+# 1.5x faster). The pickers' default (a benchmark sweep passes a config: bench_mtp.py --ring-sweep).
 RING_CHUNK_FORM_ABOVE = 1024
 
 
-def ring_form(N: int, HV: int, T: int) -> str:
+def ring_form(N: int, HV: int, T: int, chunk_form_above: int = RING_CHUNK_FORM_ABOVE) -> str:
     """"chunked" (ring_verify.py: two kernels, one read of the state) or "recurrent"."""
-    return "chunked" if N * HV * T > RING_CHUNK_FORM_ABOVE else "recurrent"
+    return "chunked" if N * HV * T > chunk_form_above else "recurrent"
+
+
+@dataclass(frozen=True)
+class VerifyConfig:
+    """Launch configuration of one verify call, chain (``mtp_verify_config``) or tree
+    (``tree_verify.tree_verify_config``), picked from the shapes and the gate.
+    ``block_v``, ``num_warps``: the recurrence's tile (``recurrence_tile``; a ring commit of
+    the same rows must use the same tile to equal a snapshot commit bitwise). ``ring_form``:
+    ring mode's "chunked" (``ring``'s kernels) or "recurrent" form (``ring_form``).
+    ``conv``: the chain's conv prologue (a tree's has its own, ``tree_conv.py``)."""
+    block_v: int
+    num_warps: int = 1
+    ring_form: str = "recurrent"
+    ring: RingVerifyConfig = RingVerifyConfig()
+    conv: VerifyConvConfig = VerifyConvConfig()
+
+
+def mtp_verify_config(N: int, T: int, HV: int, V: int, K: int, lower_bound) -> VerifyConfig:
+    """The chain verify's pinned config (no autotuning in a serving call)."""
+    block_v, num_warps = recurrence_tile(V, K)
+    return VerifyConfig(block_v=block_v, num_warps=num_warps, ring_form=ring_form(N, HV, T),
+                        ring=ring_verify_config(T, lower_bound), conv=verify_conv_config(T))
 
 
 def _strides(t, dims, default=0):
@@ -158,11 +182,13 @@ def _strides(t, dims, default=0):
 @register("mtp_verify", "triton")
 def mtp_verify_triton(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, out, *,
                       conv_weights, conv_states, intermediate_conv, conv_bias, snapshots, rings, scale,
-                      lower_bound, norm_gate, norm_weight, norm_eps):
+                      lower_bound, norm_gate, norm_weight, norm_eps, config: VerifyConfig | None = None):
+    """``config`` overrides the pinned choice (``mtp_verify_config``; sweeps, tests)."""
     N, T, H, K = q.shape
     HV, V = v.shape[-2:]
     if N == 0:
         return out
+    cfg = config or mtp_verify_config(N, T, HV, V, K, lower_bound)
     # Programmatic dependent launches (see launch.pdl_available) between our own kernels.
     pdl = pdl_available(q.device)
     conv = conv_weights is not None
@@ -172,15 +198,17 @@ def mtp_verify_triton(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratc
     bounds = (state.shape[0], scratch_rows(snapshots if rings is None else None, intermediate_conv))
     if conv:  # its own kernel first; the recurrence reads the post-conv tokens
         q, k, v = verify_conv(q, k, v, conv_weights, conv_bias, conv_states, intermediate_conv, slot_indices,
-                              scratch_indices, bounds, launch_dependents=pdl)
+                              scratch_indices, bounds, launch_dependents=pdl, config=cfg.conv)
     norm = norm_weight is not None
     raw_out = torch.empty(out.shape, dtype=torch.float32, device=out.device) if norm else out
-    if rings is not None and ring_form(N, HV, T) == "chunked":
+    if rings is not None and cfg.ring_form == "chunked":
         ring_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, bounds, raw_out, rings,
-                    scale=scale, lower_bound=lower_bound, wait_for_tokens=conv, launch_dependents=norm, pdl=pdl)
+                    scale=scale, lower_bound=lower_bound, wait_for_tokens=conv, launch_dependents=norm, pdl=pdl,
+                    config=cfg.ring)
     else:
         _launch_recurrence(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, raw_out, snapshots,
-                           rings, scale, lower_bound, bounds, conv=conv, norm=norm, pdl=pdl)
+                           rings, scale, lower_bound, bounds, conv=conv, norm=norm, pdl=pdl,
+                           tile=(cfg.block_v, cfg.num_warps))
     if norm:  # padding rows stay zero: their raw output is zero, and so is its norm
         gated_rmsnorm_after(raw_out, norm_gate, norm_weight, out, eps=norm_eps, wait_for_x=pdl)
     return out
@@ -193,13 +221,13 @@ def scratch_rows(snapshots, intermediate_conv) -> int:
 
 
 def _launch_recurrence(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, raw_out, snapshots,
-                       rings, scale, lower_bound, bounds, *, conv, norm, pdl):
+                       rings, scale, lower_bound, bounds, *, conv, norm, pdl, tile):
     """The verify recurrence: outputs, and after every step a snapshot or the ring entries."""
     N, T, H, K = q.shape
     HV, V = v.shape[-2:]
     dummy = state  # never dereferenced: the constexpr flags compile its uses away
     ring_k, ring_v, ring_g, ring_beta = rings if rings is not None else (None,) * 4
-    block_v, num_warps = recurrence_tile(V, K)
+    block_v, num_warps = tile
     _mtp_verify(
         (cdiv(V, block_v), HV, N),
         (q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, raw_out,

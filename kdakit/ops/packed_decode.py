@@ -7,6 +7,8 @@ no pool access; so is a slot past the pool, which is counted (``kdakit.take_erro
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -89,9 +91,19 @@ def _packed_decode_kernel(
 _packed_decode = CachedKernel(_packed_decode_kernel)
 
 
-def _launch_config(batch: int, HV: int, V: int, K: int, state_itemsize: int) -> tuple:
-    """(BLOCK_V, V_TILES, num_warps, num_stages, EVICT), pinned ahead of time from the
-    H200 sweeps in benchmarks/results (no autotuning in a serving call).
+@dataclass(frozen=True)
+class PackedDecodeConfig:
+    """Launch configuration of one call (``packed_decode_config`` picks it from the shapes)."""
+    block_v: int            # state rows (V) per tile
+    v_tiles: int = 1        # tiles per program, sharing the q/k/gate prologue
+    num_warps: int = 1
+    num_stages: int = 1
+    evict: str = ""         # cache hint of the state loads ("" or "evict_first")
+
+
+def packed_decode_config(batch: int, HV: int, V: int, K: int, state_itemsize: int) -> PackedDecodeConfig:
+    """Pinned ahead of time from the H200 sweeps in benchmarks/results (no autotuning in a
+    serving call).
 
     One warp streams 4 KB tiles of state rows. A float32 pool: one tile per program at every
     batch (packed_decode_static_prefetch_sweep_h200.json: N = 8 / 128 / 512 10.5 / 138.7 /
@@ -101,17 +113,17 @@ def _launch_config(batch: int, HV: int, V: int, K: int, state_itemsize: int) -> 
     """
     rows = max(1, min(next_power_of_2(V), 4096 // (next_power_of_2(K) * state_itemsize)))
     if state_itemsize >= 4:
-        return rows, 1, 1, 1, ""
+        return PackedDecodeConfig(block_v=rows)
     if batch * HV <= 32:
-        return max(1, rows // 2), 1, 1, 1, ""
-    return rows, 2 if V >= 2 * rows else 1, 1, 1, ""
+        return PackedDecodeConfig(block_v=max(1, rows // 2))
+    return PackedDecodeConfig(block_v=rows, v_tiles=2 if V >= 2 * rows else 1)
 
 
 @register("packed_decode", "triton")
 def packed_decode_triton(mixed_qkv, a, b, A_log, dt_bias, state, slot_indices, out, *,
-                         scale, use_qk_l2norm, lower_bound, config=None, wait_for_qkv=False, launch_dependents=False,
+                         scale, use_qk_l2norm, lower_bound, config: PackedDecodeConfig | None = None, wait_for_qkv=False, launch_dependents=False,
                          num_slots=None, err_index=errors.INDEX["packed_decode"]):
-    """``config = (BLOCK_V, V_TILES, num_warps, num_stages, EVICT)`` overrides the pinned choice (sweeps).
+    """``config`` overrides the pinned choice (``packed_decode_config``; sweeps, tests).
     ``wait_for_qkv``: a programmatic dependent launch after the kernel that writes
     ``mixed_qkv`` (``launch.pdl_available``); ``launch_dependents``: let the next kernel
     (launched so) start early. ``num_slots`` (default: the pool's): slots from there on are
@@ -121,7 +133,8 @@ def packed_decode_triton(mixed_qkv, a, b, A_log, dt_bias, state, slot_indices, o
     H = reference.infer_packed_heads(mixed_qkv.shape[1], HV, V, K)
     if B == 0:
         return out
-    block_v, v_tiles, num_warps, num_stages, evict = config or _launch_config(B, HV, V, K, state.element_size())
+    cfg = config or packed_decode_config(B, HV, V, K, state.element_size())
+    block_v, v_tiles = cfg.block_v, cfg.v_tiles
     grid = (cdiv(V, block_v * v_tiles), HV, B)
     _packed_decode(
         grid,
@@ -130,9 +143,9 @@ def packed_decode_triton(mixed_qkv, a, b, A_log, dt_bias, state, slot_indices, o
          state.shape[0] if num_slots is None else num_slots,
          float(scale), float(lower_bound) if lower_bound is not None else 0.0),
         dict(H=H, HV=HV, K=K, V=V, BLOCK_K=next_power_of_2(K), BLOCK_V=block_v, V_TILES=v_tiles,
-             EVICT=evict, USE_QK_L2NORM=bool(use_qk_l2norm), SAFE_GATE=lower_bound is not None,
+             EVICT=cfg.evict, USE_QK_L2NORM=bool(use_qk_l2norm), SAFE_GATE=lower_bound is not None,
              WAIT_FOR_QKV=bool(wait_for_qkv), LAUNCH_DEPENDENTS=bool(launch_dependents), ERR_INDEX=err_index),
-        num_warps=num_warps, num_stages=num_stages, launch_pdl=bool(wait_for_qkv))
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=bool(wait_for_qkv))
     return out
 
 

@@ -9,6 +9,8 @@ The launch config is pinned ahead of time (``helion.kernel(config=...)``): a
 serving call never autotunes. On CPU tensors the kernel runs through Helion's
 eager reference mode when ``HELION_INTERPRET=1`` (how the tests run it).
 """
+from dataclasses import dataclass
+
 import torch
 
 from .. import contracts, errors
@@ -91,14 +93,21 @@ def _packed_decode_body(mixed_qkv, a, b, A_log, dt_bias, state, slot_indices, ou
     return out
 
 
-def launch_config(batch: int, HV: int, V: int, K: int, state_itemsize: int) -> tuple:
-    """(block_v, num_warps), pinned ahead of time: one warp streams a 4 KB tile of
-    state rows, as the Triton kernel's measured choice (benchmarks/results); a tiny
-    batch splits finer so that enough warps are in flight."""
+@dataclass(frozen=True)
+class HelionPackedDecodeConfig:
+    """Launch configuration of one Helion call (``helion_packed_decode_config`` picks it)."""
+    block_v: int            # state rows (V) per tile
+    num_warps: int = 1
+
+
+def helion_packed_decode_config(batch: int, HV: int, V: int, K: int, state_itemsize: int) -> HelionPackedDecodeConfig:
+    """Pinned ahead of time: one warp streams a 4 KB tile of state rows, as the Triton
+    kernel's measured choice (benchmarks/results); a tiny batch splits finer so that
+    enough warps are in flight."""
     rows = max(1, min(V, 4096 // (K * state_itemsize)))
     if batch * HV <= 32:
         rows = max(1, rows // 2)
-    return rows, 1
+    return HelionPackedDecodeConfig(block_v=rows, num_warps=1)
 
 
 def _interpret() -> bool:
@@ -136,14 +145,15 @@ def _kernel(block_v: int, num_warps: int, int64: bool):
 
 @register("packed_decode", "helion")
 def packed_decode_helion(mixed_qkv, a, b, A_log, dt_bias, state, slot_indices, out, *,
-                         scale, use_qk_l2norm, lower_bound, config=None):
-    """``config = (block_v, num_warps)`` overrides the pinned choice (sweeps)."""
+                         scale, use_qk_l2norm, lower_bound, config: "HelionPackedDecodeConfig | None" = None):
+    """``config`` overrides the pinned choice (``helion_packed_decode_config``; sweeps, tests)."""
     _import_helion()
     B = mixed_qkv.shape[0]
     if B == 0:
         return out
     _, HV, V, K = state.shape
-    block_v, num_warps = config or launch_config(B, HV, V, K, state.element_size())
+    cfg = config or helion_packed_decode_config(B, HV, V, K, state.element_size())
+    block_v, num_warps = cfg.block_v, cfg.num_warps
     kernel = _kernel(block_v, num_warps, _needs_int64(mixed_qkv, a, state, out))
     counter = errors.INDEX["packed_decode"]
     kernel(mixed_qkv, a, b, A_log, dt_bias, state, slot_indices, out,

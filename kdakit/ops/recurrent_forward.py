@@ -21,6 +21,8 @@ by a transposed view, with no copy.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -195,8 +197,19 @@ def _recurrent_forward_kernel(
 _recurrent_forward = CachedKernel(_recurrent_forward_kernel)
 
 
-def _launch_config(N: int, HV: int, V: int, K: int, tokens: int, k_major: bool = False) -> tuple:
-    """(BLOCK_V, num_warps, V_TILES, PREFETCH_TILE, TILES_FIRST), pinned from the H200 sweeps
+@dataclass(frozen=True)
+class RecurrentForwardConfig:
+    """Launch configuration of one call (``recurrent_forward_config`` picks it from the shapes)."""
+    block_v: int                 # state rows (V) per tile
+    num_warps: int = 1
+    v_tiles: int = 1             # tiles per program
+    prefetch_tile: bool = True   # the next tile's load in flight while one computes
+    tiles_first: bool = False    # a sequence's programs next to each other in launch order
+
+
+def recurrent_forward_config(N: int, HV: int, V: int, K: int, tokens: int,
+                             k_major: bool = False) -> RecurrentForwardConfig:
+    """Pinned from the H200 sweeps
     (benchmarks/results/recurrent_forward_*sweep_h200.json), no autotuning in a serving call.
     Sequences of several tokens: one warp on 16 rows of K = 128 float32 (8 KB: fewer programs
     repeat each token's q/k/gate work). One-token sequences: two 2 KB tiles a program up to
@@ -213,12 +226,12 @@ def _launch_config(N: int, HV: int, V: int, K: int, tokens: int, k_major: bool =
     tiles, 2 tiles a program, 2-8 warps all slower)."""
     rows = max(1, min(next_power_of_2(V), 4096 // (next_power_of_2(K) * 4)))
     if k_major:
-        return min(next_power_of_2(V), 32), 1, 1, True, True
+        return RecurrentForwardConfig(min(next_power_of_2(V), 32), 1, 1, True, True)
     if tokens >= 2 * max(N, 1):
-        return min(next_power_of_2(V), 2 * rows), 1, 1, True, N * HV > 256
+        return RecurrentForwardConfig(min(next_power_of_2(V), 2 * rows), 1, 1, True, N * HV > 256)
     if N * HV <= 256:
-        return max(1, rows // 2), 1, 2, False, True
-    return rows, 1, 1, True, True
+        return RecurrentForwardConfig(max(1, rows // 2), 1, 2, False, True)
+    return RecurrentForwardConfig(rows, 1, 1, True, True)
 
 
 def _strides4(t):
@@ -229,20 +242,18 @@ def _strides4(t):
 def recurrent_forward_triton(q, k, v, g, beta, state, slot_indices, out, *, cu_seqlens, scale, use_qk_l2norm,
                              A_log, dt_bias, lower_bound, beta_mode, num_accepted_tokens, token_states,
                              write_final_state, final_states, padding_rows=True, zero_uncovered=False,
-                             config=None):
+                             config: RecurrentForwardConfig | None = None):
     """``state``, ``token_states``, ``final_states`` are V-major views of any strides
-    (``[.., HV, V, K]``); ``config = (BLOCK_V, num_warps[, V_TILES[, PREFETCH_TILE[, TILES_FIRST]]])``
-    overrides the pinned choice. ``zero_uncovered``: ``out`` rows of tokens outside
+    (``[.., HV, V, K]``); ``config`` overrides the pinned choice (``recurrent_forward_config``). ``zero_uncovered``: ``out`` rows of tokens outside
     ``cu_seqlens`` are written zero (``out`` allocated uninitialized for this call)."""
     _, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = cu_seqlens.numel() - 1 if cu_seqlens is not None else 1
     if N == 0 or HV == 0:
         return out.zero_() if zero_uncovered else out  # no sequence: every row is outside
-    block_v, num_warps, *tiles = config or _launch_config(N, HV, V, K, q.shape[1], k_major=state.stride(-1) != 1)
-    v_tiles = tiles[0] if tiles else 1
-    prefetch_tile = bool(tiles[1]) if len(tiles) > 1 else True
-    tiles_first = bool(tiles[2]) if len(tiles) > 2 else False
+    cfg = config or recurrent_forward_config(N, HV, V, K, q.shape[1], k_major=state.stride(-1) != 1)
+    block_v, num_warps, v_tiles = cfg.block_v, cfg.num_warps, cfg.v_tiles
+    prefetch_tile, tiles_first = bool(cfg.prefetch_tile), bool(cfg.tiles_first)
     per_token = slot_indices.dim() == 2
     dummy = slot_indices  # never read: its constexpr flag is off
     v_programs = cdiv(V, block_v * v_tiles)

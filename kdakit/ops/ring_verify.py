@@ -30,6 +30,8 @@ chain from the committed state.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -242,24 +244,30 @@ def _ring_verify_state_kernel(
 _ring_verify_steps = CachedKernel(_ring_verify_steps_kernel)
 _ring_verify_state = CachedKernel(_ring_verify_state_kernel)
 
-# The state kernel's (BLOCK_V, num_warps), K chunk, pipeline depth and dot precision
-# (tf32x3: three tf32 products, float32-level accuracy); a benchmark sweep may set them.
-STATE_TILE = (64, 4)
-K_CHUNK = 32
-NUM_STAGES = 4
-DOT_PRECISION = "tf32x3"
-STEPS_WARPS = None  # None: steps_warps' choice
+@dataclass(frozen=True)
+class RingVerifyConfig:
+    """Launch configuration of the chunk form (``ring_verify_config`` picks it from the steps
+    and the gate). The state kernel's tile (``state_block_v`` rows on ``state_warps``), K
+    chunk, pipeline depth and dot precision (tf32x3: three tf32 products, float32-level
+    accuracy); the steps kernel's warps (``steps_warps``) and whether its pair sums are
+    factored (``factored_pair_sums``; only sound where the safe gate bounds the decay)."""
+    state_block_v: int = 64
+    state_warps: int = 4
+    k_chunk: int = 32
+    num_stages: int = 4
+    dot_precision: str = "tf32x3"
+    steps_warps: int = 1
+    factored: bool = False
 
 
 # The pair sums factored as (k̂ e^G)(k̂ e^-G) where the safe gate bounds |G| by T |lower_bound|
 # <= FACTOR_BOUND (e^80 and e^-80 are normal float32 numbers); pair by pair otherwise (the
-# default gate's decay is unbounded). None: that rule; False: always pair by pair (sweeps).
-FACTORED_PAIR_SUMS = None
+# default gate's decay is unbounded; a sweep may pass ``factored=False`` at any gate).
 FACTOR_BOUND = 80.0
 
 
 def factored_pair_sums(T: int, lower_bound) -> bool:
-    if FACTORED_PAIR_SUMS is False or lower_bound is None:
+    if lower_bound is None:
         return False
     return T * abs(float(lower_bound)) <= FACTOR_BOUND
 
@@ -268,23 +276,29 @@ def steps_warps(T: int) -> int:
     """One warp keeps every row pick of the steps kernel within a thread's registers: at 8
     steps one warp beat two and four by 2x and 4x (results/mtp_ring_v_in_state_kernel_sweep_h200.json).
     Past 8 steps ([16, K] tiles) one warp would spill."""
-    if STEPS_WARPS is not None:
-        return STEPS_WARPS
     return 1 if T <= 8 else 2
 
 
+def ring_verify_config(T: int, lower_bound) -> RingVerifyConfig:
+    """The chunk form's pinned config for ``T`` steps under ``lower_bound`` (None: the default gate)."""
+    return RingVerifyConfig(steps_warps=steps_warps(T), factored=factored_pair_sums(T, lower_bound))
+
+
 def ring_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, bounds, out, rings, *, scale,
-                lower_bound, wait_for_tokens: bool, launch_dependents: bool, pdl: bool, parents=None):
+                lower_bound, wait_for_tokens: bool, launch_dependents: bool, pdl: bool, parents=None,
+                config: RingVerifyConfig | None = None):
     """Outputs and ring entries of a ring-mode verify (post-conv q, k, v; inputs checked by the caller).
     ``bounds = (slots, scratch rows or -1)``: rows whose indices fall outside are padding (counted).
     ``wait_for_tokens``: q, k, v come from a kernel launched just before (dependent launch).
     ``parents [N, T]``: the steps are tree nodes (``tree_verify``'s ring mode, which counts its
-    padding rows and invalid parents under its own name); None: a chain."""
+    padding rows and invalid parents under its own name); None: a chain. ``config`` (default
+    ``ring_verify_config``): the launch configuration."""
     N, T, H, K = q.shape
     HV, V = v.shape[-2:]
     ring_k, ring_v, ring_g, ring_beta = rings
     x_rows = torch.empty(N, HV, T, K, dtype=torch.float32, device=q.device)
     m_rows = torch.empty(N, HV, T, T, dtype=torch.float32, device=q.device)
+    cfg = config or ring_verify_config(T, lower_bound)
     tree = parents is not None
     assert not tree or T <= MAX_TREE_NODES, "a tree's chunk form takes at most MAX_TREE_NODES nodes"
     _ring_verify_steps(
@@ -294,19 +308,19 @@ def ring_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indi
          errors.counters(q.device), ring_k.stride(0), ring_g.stride(0), ring_beta.stride(0), ring_k.shape[2],
          *bounds, float(scale), float(lower_bound) if lower_bound is not None else 0.0),
         dict(T=T, H=H, HV=HV, K=K, BLOCK_T=next_power_of_2(T), BLOCK_K=next_power_of_2(K),
-             SAFE_GATE=lower_bound is not None, FACTORED=factored_pair_sums(T, lower_bound), TREE=tree,
+             SAFE_GATE=lower_bound is not None, FACTORED=bool(cfg.factored) and lower_bound is not None, TREE=tree,
              WAIT_FOR_TOKENS=wait_for_tokens and pdl, LAUNCH_DEPENDENTS=pdl, CHECK_ROWS=bounds[1] >= 0,
              ERR_INDEX=errors.INDEX["tree_verify" if tree else "mtp_verify"]),
-        num_warps=steps_warps(T), num_stages=1, launch_pdl=wait_for_tokens and pdl)
-    block_v, num_warps = STATE_TILE
+        num_warps=cfg.steps_warps, num_stages=1, launch_pdl=wait_for_tokens and pdl)
+    block_v, num_warps = cfg.state_block_v, cfg.state_warps
     block_v = max(16, min(block_v, next_power_of_2(V)))
     _ring_verify_state(
         (cdiv(V, block_v), HV, N),
         (state, v, slot_indices, scratch_indices, x_rows, m_rows, out, ring_v, state.stride(0), ring_v.stride(0),
          ring_v.shape[2], *bounds),
         dict(T=T, HV=HV, K=K, V=V, DOT_T=max(16, next_power_of_2(T)), BLOCK_V=block_v,
-             K_CHUNK=max(16, min(K_CHUNK, next_power_of_2(K))), NUM_STAGES=NUM_STAGES,
-             DOT_PRECISION=DOT_PRECISION, WAIT_FOR_STEPS=pdl, LAUNCH_DEPENDENTS=launch_dependents and pdl,
+             K_CHUNK=max(16, min(cfg.k_chunk, next_power_of_2(K))), NUM_STAGES=cfg.num_stages,
+             DOT_PRECISION=cfg.dot_precision, WAIT_FOR_STEPS=pdl, LAUNCH_DEPENDENTS=launch_dependents and pdl,
              CHECK_ROWS=bounds[1] >= 0),
         num_warps=num_warps if block_v >= 64 else 4, num_stages=1, launch_pdl=pdl)
     return out

@@ -9,6 +9,8 @@ needs no window written by another node, and rounds exactly like the chain prolo
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -122,49 +124,55 @@ def _tree_conv_kernel(
 
 _tree_conv = CachedKernel(_tree_conv_kernel)
 
-# Channels per program and warps (the chain prologue's tile, verify_conv.BLOCK_C; not tuned for trees).
-BLOCK_C = 64
-NUM_WARPS = 2
+@dataclass(frozen=True)
+class TreeConvConfig:
+    """Launch configuration of the tree conv: channels per program and warps (the chain
+    prologue's tile, ``VerifyConvConfig``; not tuned for trees)."""
+    block_c: int = 64
+    num_warps: int = 2
 
 
 def tree_conv(q, k, v, conv_weights, conv_bias, conv_states, intermediate_conv, slot_indices, scratch_indices,
-              parents, *, num_rows, launch_dependents=False):
+              parents, *, num_rows, launch_dependents=False, config: TreeConvConfig | None = None):
     """Post-conv ``(q, k, v)`` of every node (new tensors shaped like the inputs); the windows
     after each node go to ``intermediate_conv[i][scratch_indices[n], t]``. Requests whose slot
-    is outside ``[0, slots)`` or scratch row outside ``[0, num_rows)`` are padding."""
+    is outside ``[0, slots)`` or scratch row outside ``[0, num_rows)`` are padding. ``config``
+    (default ``TreeConvConfig()``): the launch configuration."""
+    cfg = config or TreeConvConfig()
     N, T, H, K = q.shape
     HV, V = v.shape[2:]
     post = tuple(torch.empty_like(t) for t in (q, k, v))
     bias = conv_bias if conv_bias is not None else conv_weights
     W = conv_weights[0].shape[1]
     _tree_conv(
-        (cdiv(max(H * K, HV * V), BLOCK_C), N, 3),
+        (cdiv(max(H * K, HV * V), cfg.block_c), N, 3),
         (q, k, v, *conv_weights, *bias, *conv_states, *intermediate_conv, *post, slot_indices, scratch_indices,
          parents, *(cs.stride(d) for cs in conv_states for d in (0, 1, 2)),
          *(ic.stride(d) for ic in intermediate_conv for d in (0, 1)), conv_states[0].shape[0], int(num_rows)),
-        dict(C_QK=H * K, C_V=HV * V, T=T, W=W, BLOCK_C=BLOCK_C, BLOCK_TAPS=next_power_of_2(W - 1),
+        dict(C_QK=H * K, C_V=HV * V, T=T, W=W, BLOCK_C=cfg.block_c, BLOCK_TAPS=next_power_of_2(W - 1),
              BLOCK_T=next_power_of_2(T), HAS_BIAS=conv_bias is not None, LAUNCH_DEPENDENTS=bool(launch_dependents)),
-        num_warps=NUM_WARPS, num_stages=1)
+        num_warps=cfg.num_warps, num_stages=1)
     return post
 
 
 def tree_conv_channels(x, conv_state, weight, bias, intermediate, slot_indices, scratch_indices, parents, *,
-                       num_rows):
+                       num_rows, config: TreeConvConfig | None = None):
     """The tree conv of one group of channels: ``x [N, T, C]`` contiguous pre-conv inputs,
     ``conv_state [slots, C, W-1]`` (read only), ``weight [C, W]`` float32, ``intermediate
     [scratch, >=T, C, W-1]`` (contiguous inner dims). Returns the post-conv ``[N, T, C]``."""
+    cfg = config or TreeConvConfig()
     N, T, C = x.shape
     post = torch.empty_like(x)
     parents = parents.contiguous()  # the kernel reads row n at n * T
     W = weight.shape[1]
     strides = (conv_state.stride(0), conv_state.stride(1), conv_state.stride(2))
     _tree_conv(
-        (cdiv(C, BLOCK_C), N, 1),  # part 0 only: the q slot of the kernel carries the group
+        (cdiv(C, cfg.block_c), N, 1),  # part 0 only: the q slot of the kernel carries the group
         (x, x, x, weight, weight, weight, *((bias,) * 3 if bias is not None else (weight,) * 3),
          conv_state, conv_state, conv_state, intermediate, intermediate, intermediate, post, post, post,
          slot_indices, scratch_indices, parents, *strides * 3,
          *((intermediate.stride(0), intermediate.stride(1)) * 3), conv_state.shape[0], int(num_rows)),
-        dict(C_QK=C, C_V=C, T=T, W=W, BLOCK_C=BLOCK_C, BLOCK_TAPS=next_power_of_2(W - 1),
+        dict(C_QK=C, C_V=C, T=T, W=W, BLOCK_C=cfg.block_c, BLOCK_TAPS=next_power_of_2(W - 1),
              BLOCK_T=next_power_of_2(T), HAS_BIAS=bias is not None, LAUNCH_DEPENDENTS=False),
-        num_warps=NUM_WARPS, num_stages=1)
+        num_warps=cfg.num_warps, num_stages=1)
     return post

@@ -39,8 +39,8 @@ from .. import contracts, errors, reference
 from ..backends import register, select
 from .gated_rmsnorm import gated_rmsnorm_after
 from .launch import CachedKernel, cdiv, next_power_of_2, pdl_available
-from .mtp_verify import _load_step, check_mtp_verify, recurrence_tile, ring_form
-from .ring_verify import MAX_TREE_NODES, ring_verify
+from .mtp_verify import VerifyConfig, _load_step, check_mtp_verify, recurrence_tile, ring_form
+from .ring_verify import MAX_TREE_NODES, ring_verify, ring_verify_config
 from .tree_conv import count_invalid_parents, load_tree_parents, tree_conv, tree_parent
 from .triton_math import count_bad_rows, delta_rule_update, l2_normalize
 
@@ -182,14 +182,24 @@ def _num_rows(snapshots, intermediate_conv) -> int:
     return min(rows) if rows else None
 
 
+def tree_verify_config(N: int, T: int, HV: int, V: int, K: int, lower_bound) -> VerifyConfig:
+    """The tree verify's pinned config: the chain verify's recurrence tile and ring forms
+    (its ``conv`` unused: the tree conv's is ``tree_conv.TreeConvConfig``)."""
+    block_v, num_warps = recurrence_tile(V, K)
+    return VerifyConfig(block_v=block_v, num_warps=num_warps, ring_form=ring_form(N, HV, T),
+                        ring=ring_verify_config(T, lower_bound))
+
+
 @register("tree_verify", "triton")
 def tree_verify_triton(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, parents, out, *,
                        conv_weights, conv_states, intermediate_conv, conv_bias, snapshots, scale, lower_bound,
-                       norm_gate, norm_weight, norm_eps, rings=None):
+                       norm_gate, norm_weight, norm_eps, rings=None, config: VerifyConfig | None = None):
+    """``config`` overrides the pinned choice (``tree_verify_config``; sweeps, tests)."""
     N, T, H, K = q.shape
     HV, V = v.shape[-2:]
     if N == 0:
         return out
+    cfg = config or tree_verify_config(N, T, HV, V, K, lower_bound)
     pdl = pdl_available(q.device)
     num_rows = _num_rows(snapshots, intermediate_conv if conv_weights is not None else None)
     rows_in = scratch_indices
@@ -204,14 +214,14 @@ def tree_verify_triton(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scrat
                             scratch_indices, parents, num_rows=num_rows, launch_dependents=pdl)
     norm = norm_weight is not None
     raw_out = torch.empty(out.shape, dtype=torch.float32, device=out.device) if norm else out
-    if ring and T <= MAX_TREE_NODES and ring_form(N, HV, T) == "chunked":
+    if ring and T <= MAX_TREE_NODES and cfg.ring_form == "chunked":
         # Every node's output from one read of the state (ring_verify.py, ancestor-masked),
         # where the recurrence would refold each off-chain node's path tile by tile.
         ring_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, rows_in, (state.shape[0], num_rows),
                     raw_out, rings, scale=scale, lower_bound=lower_bound, wait_for_tokens=conv,
-                    launch_dependents=norm, pdl=pdl, parents=parents)
+                    launch_dependents=norm, pdl=pdl, parents=parents, config=cfg.ring)
     else:
-        block_v, num_warps = recurrence_tile(V, K)
+        block_v, num_warps = cfg.block_v, cfg.num_warps
         _tree_verify(
             (cdiv(V, block_v), HV, N),
             (q, k, v, a, b, A_log, dt_bias, state, slot_indices, rows_in, parents, raw_out,

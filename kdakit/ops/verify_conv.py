@@ -10,6 +10,8 @@ came already convolved. From 8 steps on, the windows are stored as whole contigu
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -122,41 +124,56 @@ def _verify_conv_kernel(
 
 _verify_conv = CachedKernel(_verify_conv_kernel)
 
-# Channels per program and warps: [steps, BLOCK_C] tiles; a benchmark sweep may set them
-# (bench_mtp.py --conv-sweep). 64 channels on 2 warps and 128 on 4 tied from 2 to 4 steps;
-# 64 on 2 was 7% faster at 8 (results/mtp_conv_coalesced_ab_h200.json).
-BLOCK_C = 64
-NUM_WARPS = 2
-# The windows after each step stored as whole runs (``_store_windows``) from this many steps,
-# per tap below: ring verify with the conv at N = 64, 8 steps 135-145 us against 160-162,
-# but 2 and 4 steps 5-8% slower (results/mtp_conv_coalesced_ab_h200.json). None: the rule.
-WINDOW_RUNS = None
+@dataclass(frozen=True)
+class VerifyConvConfig:
+    """Launch configuration of the conv prologue (``verify_conv_config`` picks it from the
+    steps). Channels per program and warps: [steps, block_c] tiles (a benchmark sweep passes
+    its own: bench_mtp.py --conv-sweep); 64 channels on 2 warps and 128 on 4 tied from 2 to 4
+    steps, 64 on 2 was 7% faster at 8 (results/mtp_conv_coalesced_ab_h200.json).
+    ``window_runs``: the windows after each step stored as whole runs (``_store_windows``),
+    else tap by tap (``window_runs``)."""
+    block_c: int = 64
+    num_warps: int = 2
+    window_runs: bool = False
+
+
+# The windows after each step stored as whole runs from this many steps, per tap below:
+# ring verify with the conv at N = 64, 8 steps 135-145 us against 160-162, but 2 and 4
+# steps 5-8% slower (results/mtp_conv_coalesced_ab_h200.json).
 WINDOW_RUNS_FROM_STEPS = 8
 
 
 def window_runs(T: int) -> bool:
-    return WINDOW_RUNS if WINDOW_RUNS is not None else T >= WINDOW_RUNS_FROM_STEPS
+    return T >= WINDOW_RUNS_FROM_STEPS
+
+
+def verify_conv_config(T: int) -> VerifyConvConfig:
+    """The conv prologue's pinned config for ``T`` steps."""
+    return VerifyConvConfig(window_runs=window_runs(T))
 
 
 def verify_conv(q, k, v, conv_weights, conv_bias, conv_states, intermediate_conv, slot_indices, scratch_indices,
-                bounds, *, launch_dependents=False):
+                bounds, *, launch_dependents=False, config: VerifyConvConfig | None = None):
     """Post-conv ``(q, k, v)`` of every step (new tensors shaped like the inputs); the windows
     after each step go to ``intermediate_conv[i][scratch_indices[n], t]``. ``bounds = (slots,
     scratch rows)``: rows whose slot or scratch row is outside them are padding. ``launch_dependents``:
-    the next kernel, a programmatic dependent launch, may start early."""
+    the next kernel, a programmatic dependent launch, may start early. ``config`` (default
+    ``verify_conv_config``): the launch configuration."""
     N, T, H, K = q.shape
     HV, V = v.shape[2:]
     post = tuple(torch.empty_like(t) for t in (q, k, v))
     bias = conv_bias if conv_bias is not None else conv_weights
     W = conv_weights[0].shape[1]
+    cfg = config or verify_conv_config(T)
+    block_c = cfg.block_c
     _verify_conv(
-        (cdiv(max(H * K, HV * V), BLOCK_C), N, 3),
+        (cdiv(max(H * K, HV * V), block_c), N, 3),
         (q, k, v, *conv_weights, *bias, *conv_states, *intermediate_conv, *post, slot_indices, scratch_indices,
          *(cs.stride(d) for cs in conv_states for d in (0, 1, 2)),
          *(ic.stride(d) for ic in intermediate_conv for d in (0, 1)), *bounds),
-        dict(C_QK=H * K, C_V=HV * V, T=T, W=W, BLOCK_T=next_power_of_2(T), BLOCK_C=BLOCK_C,
-             BLOCK_F=next_power_of_2(BLOCK_C * (W - 1)), HAS_BIAS=conv_bias is not None,
-             WINDOW_RUNS=window_runs(T),
+        dict(C_QK=H * K, C_V=HV * V, T=T, W=W, BLOCK_T=next_power_of_2(T), BLOCK_C=block_c,
+             BLOCK_F=next_power_of_2(block_c * (W - 1)), HAS_BIAS=conv_bias is not None,
+             WINDOW_RUNS=bool(cfg.window_runs),
              LAUNCH_DEPENDENTS=bool(launch_dependents)),
-        num_warps=NUM_WARPS, num_stages=1)
+        num_warps=cfg.num_warps, num_stages=1)
     return post
