@@ -10,17 +10,13 @@ HBM-resident through harness.graph_time_us; writes JSON (harness.save).
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-import harness  # noqa: E402
-
-import kdakit  # noqa: E402
-from kdakit import reference  # noqa: E402
-from kdakit.ops.packed_decode import packed_decode_triton  # noqa: E402
+import kdakit
+from kdakit import reference
+from kdakit.bench import harness
+from kdakit.ops.packed_decode import packed_decode_triton
 
 
 def make_layer(N, H, HV, K, V, state_dtype, *, act_dtype=torch.bfloat16, spare_slots=None, seed=0):
@@ -242,7 +238,7 @@ def main():
     batches = [int(n) for n in args.batches.split(",")] if args.batches else None
     timings(results, args.sweep, args.quick, configs, batches)
     harness.close_results(results)
-    path = harness.save(results, args.name)
+    path = harness.save(results, args.name, harness.results_folder(__file__))
     print(f"copy ceiling {results['copy_ceiling_GBps']} GB/s (end {results['copy_ceiling_GBps_end']}); saved {path}")
     print("eager us/call N=1:", results["eager_us_N1"])
     harness.print_table(results["checks"], ["case", "ok", "out_err", "state_err", "err"])
