@@ -149,7 +149,7 @@ def timings(results, sweep: bool, quick: bool, configs=None, batches=None):
     ceiling = results["copy_ceiling_GBps"]
     batches = batches or ([1, 8, 32, 128, 512] if not quick else [8, 128])
     # (BLOCK_V, V_TILES, num_warps, num_stages, EVICT); the next tile's load is in flight while
-    # one computes whatever num_stages (static loop); evict_first measured 1-2% slower before.
+    # one computes whatever num_stages (static loop); no cache hint (evict_first is slower: docs/tuning.md).
     only_fp32 = bool(configs)  # a config list of its own: the float32 HV = 32 pool alone
     configs = configs or ([(bv, t, 1, 1, "") for bv, t in ((4, 1), (4, 2), (8, 1), (8, 2), (8, 4), (16, 1), (16, 2))]
                           if sweep else [])
