@@ -29,18 +29,15 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import replace
-import os
 import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-import harness  # noqa: E402
-
-from kdakit import reference  # noqa: E402
-from kdakit.bench.prefill import CASES, QUICK, flops_per_token_head, make_layer  # noqa: E402  (one input builder)
-from kdakit.ops.chunk_prefill import ChunkConfig, chunk_config, chunk_prefill, chunk_prefill_triton  # noqa: E402
+from kdakit import reference
+from kdakit.bench import harness
+from kdakit.bench.prefill import CASES, QUICK, flops_per_token_head, make_layer  # one input builder
+from kdakit.ops.chunk_prefill import ChunkConfig, chunk_config, chunk_prefill, chunk_prefill_triton
 
 DEV = "cuda"
 
@@ -264,7 +261,7 @@ def main():
     timings(results, names, args.sweep)
     harness.close_results(results)
     results["wall_s"] = round(time.time() - t0, 1)
-    path = harness.save(results, args.name + ("_quick" if args.quick else ""))
+    path = harness.save(results, args.name + ("_quick" if args.quick else ""), harness.results_folder(__file__))
     harness.print_table(results["rows"], ["name", "case", "gate", "T", "N", "HV", "ms", "tokens_per_s", "TFLOP/s",
                                           "timing"])
     print("checks ok:", ok, "->", path)

@@ -12,17 +12,13 @@ windows read and written. ``--sweep`` also times other (BLOCK_T, BLOCK_C, num_wa
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-import harness  # noqa: E402
-
-import kdakit  # noqa: E402
-from kdakit import reference  # noqa: E402
-from kdakit.ops.conv1d_varlen import Conv1dVarlenConfig, causal_conv1d_varlen, causal_conv1d_varlen_triton  # noqa: E402
+import kdakit
+from kdakit import reference
+from kdakit.bench import harness
+from kdakit.ops.conv1d_varlen import Conv1dVarlenConfig, causal_conv1d_varlen, causal_conv1d_varlen_triton
 
 DEV = "cuda"
 BF16 = torch.bfloat16
@@ -156,7 +152,7 @@ def main():
     results = harness.new_results()
     results["rows"] = rows
     harness.close_results(results)
-    print(harness.save(results, "conv1d_varlen", args.out))
+    print(harness.save(results, "conv1d_varlen", args.out or harness.results_folder(__file__)))
 
 
 if __name__ == "__main__":

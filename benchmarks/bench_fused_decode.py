@@ -14,19 +14,15 @@ Writes JSON (harness.save) and prints a table last.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-import harness  # noqa: E402
-
-from kdakit import reference  # noqa: E402
-from kdakit.ops.conv1d_update import Conv1dUpdateConfig, causal_conv1d_update  # noqa: E402
-from kdakit.ops.fused_decode import fused_decode  # noqa: E402
-from kdakit.ops.gated_rmsnorm import gated_rmsnorm  # noqa: E402
-from kdakit.ops.packed_decode import packed_decode  # noqa: E402
+from kdakit import reference
+from kdakit.bench import harness
+from kdakit.ops.conv1d_update import Conv1dUpdateConfig, causal_conv1d_update
+from kdakit.ops.fused_decode import fused_decode
+from kdakit.ops.gated_rmsnorm import gated_rmsnorm
+from kdakit.ops.packed_decode import packed_decode
 
 W = 4  # Kimi short conv width
 
@@ -418,7 +414,7 @@ def main():
     bad = [c for c in results["checks"] if not c["ok"]]
     timings(results, args.quick, args.sweep)
     harness.close_results(results)
-    path = harness.save(results, args.name)
+    path = harness.save(results, args.name, harness.results_folder(__file__))
     print(f"copy ceiling {results['copy_ceiling_GBps']} GB/s (end {results['copy_ceiling_GBps_end']}); saved {path}")
     print("eager us/call N=1:", results["eager_us_N1"])
     harness.print_table(results["checks"], ["case", "ok", "out_err", "state_err", "conv_bitwise", "vs_chain",

@@ -14,10 +14,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-import harness  # noqa: E402
 from bench_packed_decode import kdakit_call, make_layer  # noqa: E402
 
-import kdakit  # noqa: E402
+from kdakit.bench import harness  # noqa: E402
 from kdakit.ops import launch  # noqa: E402
 
 
@@ -67,7 +66,7 @@ def main():
         del layers
         torch.cuda.empty_cache()
     harness.close_results(results)
-    path = harness.save(results, args.name)
+    path = harness.save(results, args.name, harness.results_folder(__file__))
     print(f"copy ceiling {ceiling} GB/s; saved {path}")
     print("eager us/call N=1 (min of 3 x 2000):", results["eager_us_N1"], results["eager_us_N1_all"])
     harness.print_table(results["checks"], ["case", "ok"])

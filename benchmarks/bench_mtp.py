@@ -14,20 +14,16 @@ a fold commit one read and one write of each committed state.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 from dataclasses import replace
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-import harness  # noqa: E402
-
-import kdakit  # noqa: E402
-from kdakit import reference  # noqa: E402
-from kdakit.ops.commit import commit_ring_config, commit_ring_triton  # noqa: E402
-from kdakit.ops.mtp_verify import mtp_verify_config, mtp_verify_triton, recurrence_tile  # noqa: E402
+import kdakit
+from kdakit import reference
+from kdakit.bench import harness
+from kdakit.ops.commit import commit_ring_config, commit_ring_triton
+from kdakit.ops.mtp_verify import mtp_verify_config, mtp_verify_triton, recurrence_tile
 
 H = HV = 32
 K = V = 128
@@ -380,7 +376,7 @@ def main():
         correctness(results)
         timings(results, args.quick, args.commit_only, args.batches)
     harness.close_results(results)
-    path = harness.save(results, args.name)
+    path = harness.save(results, args.name, harness.results_folder(__file__))
     print(f"copy ceiling {results['copy_ceiling_GBps']} GB/s; saved {path}")
     harness.print_table(results["checks"], ["case", "ok", "out_err", "pool_err"])
     harness.print_table(results["rows"], ["name", "num_spec", "N", "us", "GB/s", "pct_of_copy", "layers", "err",

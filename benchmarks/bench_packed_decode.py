@@ -10,17 +10,13 @@ HBM-resident through harness.graph_time_us; writes JSON (harness.save).
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-import harness  # noqa: E402
-
-import kdakit  # noqa: E402
-from kdakit import reference  # noqa: E402
-from kdakit.ops.packed_decode import PackedDecodeConfig, packed_decode_triton  # noqa: E402
+import kdakit
+from kdakit import reference
+from kdakit.bench import harness
+from kdakit.ops.packed_decode import PackedDecodeConfig, packed_decode_triton
 
 
 def make_layer(N, H, HV, K, V, state_dtype, *, act_dtype=torch.bfloat16, spare_slots=None, seed=0):
@@ -153,7 +149,7 @@ def timings(results, sweep: bool, quick: bool, configs=None, batches=None):
     ceiling = results["copy_ceiling_GBps"]
     batches = batches or ([1, 8, 32, 128, 512] if not quick else [8, 128])
     # (BLOCK_V, V_TILES, num_warps, num_stages, EVICT); the next tile's load is in flight while
-    # one computes whatever num_stages (static loop); evict_first measured 1-2% slower before.
+    # one computes whatever num_stages (static loop); no cache hint (evict_first is slower: docs/tuning.md).
     only_fp32 = bool(configs)  # a config list of its own: the float32 HV = 32 pool alone
     configs = configs or ([PackedDecodeConfig(bv, t, 1, 1, "") for bv, t in ((4, 1), (4, 2), (8, 1), (8, 2), (8, 4), (16, 1), (16, 2))]
                           if sweep else [])
@@ -244,7 +240,7 @@ def main():
     batches = [int(n) for n in args.batches.split(",")] if args.batches else None
     timings(results, args.sweep, args.quick, configs, batches)
     harness.close_results(results)
-    path = harness.save(results, args.name)
+    path = harness.save(results, args.name, harness.results_folder(__file__))
     print(f"copy ceiling {results['copy_ceiling_GBps']} GB/s (end {results['copy_ceiling_GBps_end']}); saved {path}")
     print("eager us/call N=1:", results["eager_us_N1"])
     harness.print_table(results["checks"], ["case", "ok", "out_err", "state_err", "err"])

@@ -27,9 +27,9 @@ if not hasattr(_triton_compat, "IntelGPUError"):
 
 sys.path.insert(0, os.path.dirname(__file__))
 import bench_packed_decode as base  # noqa: E402
-import harness  # noqa: E402
 
 import kdakit  # noqa: E402
+from kdakit.bench import harness  # noqa: E402
 from kdakit.ops.packed_decode_helion import helion_fused_recurrent_kda_packed_decode  # noqa: E402
 
 SIZES = [(HV, N) for HV in (12, 32) for N in (1, 32, 512)]
@@ -120,7 +120,7 @@ def main():
     check_helion(results, args.quick)
     bad = [c["case"] for c in results["checks"] if not c["ok"]]
     time_helion_vs_triton(results, args.quick)
-    path = harness.save(results, args.name)
+    path = harness.save(results, args.name, harness.results_folder(__file__))
     print(f"copy ceiling {results['copy_ceiling_GBps']} GB/s; saved {path}")
     print("eager us/call N=1:", results["eager_us_N1"])
     harness.print_table(results["checks"], ["case", "ok", "out_err", "state_err", "err"])

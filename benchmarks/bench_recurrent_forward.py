@@ -21,17 +21,13 @@ harness.save; a short table last.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-import harness  # noqa: E402
-
-from kdakit import reference  # noqa: E402
-from kdakit.compat.fla import fused_recurrent_kda as compat_fused_recurrent_kda  # noqa: E402
-from kdakit.ops.recurrent_forward import RecurrentForwardConfig, recurrent_forward, recurrent_forward_triton  # noqa: E402
+from kdakit import reference
+from kdakit.bench import harness
+from kdakit.compat.fla import fused_recurrent_kda as compat_fused_recurrent_kda
+from kdakit.ops.recurrent_forward import RecurrentForwardConfig, recurrent_forward, recurrent_forward_triton
 
 DEV = "cuda"
 
@@ -311,7 +307,7 @@ def main():
     kmajor = [tuple(int(x) for x in c.split("x")) for c in args.kmajor_configs.split(",")] if args.kmajor_configs else ()
     timings(results, args.sweep, args.quick, configs, kmajor)
     harness.close_results(results)
-    path = harness.save(results, args.name)
+    path = harness.save(results, args.name, harness.results_folder(__file__))
     print(f"copy ceiling {results['copy_ceiling_GBps']} GB/s (end {results['copy_ceiling_GBps_end']}); saved {path}")
     harness.print_table(results["checks"], ["case", "ok", "out_err", "state_err", "ts_err", "err"])
     harness.print_table(results["rows"], ["name", "N", "T", "us", "floor_us", "GB/s", "pct_of_copy", "err", "error"])

@@ -18,17 +18,14 @@ reloaded snapshot is this program's own recent write), ring verify about one.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-import harness  # noqa: E402
-
-import kdakit  # noqa: E402
-from kdakit import reference  # noqa: E402
-from kdakit.ops.mtp_verify import ring_form  # noqa: E402
+import kdakit
+from kdakit import reference
+from kdakit.bench import harness
+from kdakit.ops.mtp_verify import ring_form
 
 H = HV = 32
 K = V = 128
@@ -281,7 +278,7 @@ def main():
     if not failed:
         timings(results, batches, nodes, conv_too=not args.quick)
     harness.close_results(results)
-    path = harness.save(results, args.name)
+    path = harness.save(results, args.name, harness.results_folder(__file__))
     harness.print_table(results["rows"], ["name", "N", "T", "us", "GB/s", "pct_of_copy", "layers"])
     print(f"saved {path}")
     return 1 if failed else 0

@@ -123,6 +123,17 @@ def _git_rev() -> str:
         return "unknown"
 
 
+def results_folder(script_file: str | None = None) -> str:
+    """Where a run's records go: $OUT (device runs), else ``results/`` beside
+    ``script_file`` (the scripts under benchmarks/ pass ``__file__``), else the
+    current directory."""
+    if os.environ.get("OUT"):
+        return os.environ["OUT"]
+    if script_file:
+        return os.path.join(os.path.dirname(os.path.abspath(script_file)), "results")
+    return os.getcwd()
+
+
 def save(result: dict, name: str, folder: str | None = None) -> str:
     """JSON into ``folder``, else $OUT (device runs), else the current directory."""
     folder = folder or os.environ.get("OUT") or os.getcwd()
