@@ -16,7 +16,7 @@ import sys
 import torch
 
 from kdakit.compat.fla import fused_recurrent_kda
-from kdakit.ops import launch
+from kdakit import buffers
 from kdakit.ops.fused_decode import FusedDecodeConfig, fused_decode_triton
 
 DEV = "cuda"
@@ -39,7 +39,7 @@ def recurrent_forward_case():
         return [o, ht]
     # the same call with its slots given (no cached buffer): what every run must equal
     expected = [t.clone() for t in call(ssm_state_indices=torch.arange(N, device=DEV, dtype=torch.int32))]
-    return call, expected, lambda: launch._KEPT.clear()
+    return call, expected, lambda: buffers._KEPT.clear()
 
 
 def fused_step_case():
@@ -63,7 +63,7 @@ def fused_step_case():
                             config=FusedDecodeConfig(block_v=16, v_tiles=1, num_warps=1), pdl=False)
         return [out, state, conv]
     expected = [t.clone() for t in call()]
-    return call, expected, lambda: launch._KEPT.clear()
+    return call, expected, lambda: buffers._KEPT.clear()
 
 
 def run(name, case) -> bool:

@@ -4,7 +4,7 @@ A slot, scratch row or track slot outside its buffer is treated by every op as a
 row (nothing of that buffer read or written, zero output); the kernels find it with one
 scalar compare per program and add one to the op's int32 counter here, with an atomic
 only for such a row. Nothing syncs on the hot path: ``take_errors()`` reads the counters
-when the caller asks. The counters are a ``launch.kept_buffer`` per device, shared by its
+when the caller asks. The counters are a ``buffers.kept_buffer`` per device, shared by its
 streams (the kernels only add to them, atomically), never freed, so a CUDA graph keeps
 counting into the buffer it captured. They are made on the first call on a device; made
 during a graph capture they would belong to that graph alone, so run each op once eagerly
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .ops.launch import kept_buffer, kept_buffers
+from .buffers import kept_buffer, kept_buffers
 
 OPS = ("packed_decode", "fused_decode", "causal_conv1d_update", "mtp_verify", "commit_snapshots", "commit_ring",
        "recurrent_forward", "causal_conv1d_varlen", "chunk_prefill", "tree_verify", "commit_tree_ring")

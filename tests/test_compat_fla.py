@@ -275,15 +275,15 @@ def test_identity_slots_cached_and_grown():
     """Sequence n uses state n: one cached arange per (device, stream), grown when a batch is
     larger; the smaller one is kept (a graph captured with it still reads it)."""
     from kdakit.compat import fla as compat
-    from kdakit.ops import launch
-    launch._KEPT.pop(("identity slots", torch.device("cpu"), 0), None)
+    from kdakit import buffers
+    buffers._KEPT.pop(("identity slots", torch.device("cpu"), 0), None)
     small = compat.identity_slots(torch.device("cpu"), 3)
     assert small.tolist() == [0, 1, 2] and small.dtype == torch.int32
     again = compat.identity_slots(torch.device("cpu"), 5)
     assert again.data_ptr() == small.data_ptr(), "no new tensor while the cached one is long enough"
     big = compat.identity_slots(torch.device("cpu"), 5000)
     assert torch.equal(big, torch.arange(5000, dtype=torch.int32))
-    kept = launch._KEPT[("identity slots", torch.device("cpu"), 0)]
+    kept = buffers._KEPT[("identity slots", torch.device("cpu"), 0)]
     assert kept[0].data_ptr() == small.data_ptr() and kept[-1].data_ptr() == big.data_ptr()
 
 

@@ -33,12 +33,12 @@ import warnings
 import torch
 
 from .. import contracts
-from ..ops.launch import kept_buffer
+from ..buffers import kept_buffer
 from ..ops.recurrent_forward import BETA_AS_IS, BETA_SIGMOID, BETA_SIGMOID_X2, run_recurrent_forward
 
 def identity_slots(device: torch.device, count: int) -> torch.Tensor:
     """``[0, 1, .., count-1]`` int32 on ``device``: sequence n uses state n. A
-    ``launch.kept_buffer``: no arange kernel on every call."""
+    ``buffers.kept_buffer``: no arange kernel on every call."""
     return kept_buffer("identity slots", device, count,
                        lambda size: torch.arange(size, device=device, dtype=torch.int32))[:count]
 

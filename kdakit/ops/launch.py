@@ -29,6 +29,8 @@ import torch
 import triton
 from triton.runtime import driver
 
+from ..buffers import kept_buffer
+
 COMPILED_FOR_TARGET: list[str] = []  # kernels compiled in compile-only mode, in order
 
 # (major, minor) of the Triton releases whose compiled-kernel launcher takes
@@ -209,34 +211,6 @@ def pdl_available(device: torch.device) -> bool:
 _CAPABILITY_MAJOR: dict = {}  # CUDA device index -> compute capability major (host time per call)
 
 
-_KEPT: dict = {}  # (kind, device, stream) -> buffers of that kind, the largest last; never freed
-
-
-def kept_buffer(kind: str, device: torch.device, count: int, make, *, per_stream: bool = True) -> torch.Tensor:
-    """A device buffer of at least ``count`` elements, built by ``make(size)`` once and kept
-    per (kind, device, stream), or per (kind, device) when not ``per_stream``, so a call
-    launches no kernel to build it again. It grows by doubling; a smaller one is never freed
-    (a CUDA graph captured with it keeps reading its address). One first needed while a graph
-    is being captured belongs to that graph alone (what ``make`` writes is only a node of the
-    graph, not run at capture): not kept."""
-    if device.type == "cuda" and device.index is None:  # "cuda" and "cuda:0" are one device
-        device = torch.device("cuda", torch.cuda.current_device())
-    stream = torch.cuda.current_stream(device).cuda_stream if per_stream and device.type == "cuda" else 0
-    kept = _KEPT.setdefault((kind, device, stream), [])
-    if not kept or kept[-1].numel() < count:
-        fresh = make(max(count, 2 * kept[-1].numel() if kept else 1024))
-        if capturing(device):
-            return fresh
-        kept.append(fresh)
-    return kept[-1]
-
-
-def kept_buffers(kind: str) -> list:
-    """Every buffer of ``kind`` kept so far, on any device and stream, as ((device, stream), buffer)."""
-    return [((device, stream), buf) for (k, device, stream), bufs in list(_KEPT.items()) if k == kind
-            for buf in bufs]
-
-
 def arrival_counters(device: torch.device, count: int) -> torch.Tensor:
     """``count`` int32 counters (or more) that are zero between launches (each kernel that
     counts arrivals on them resets what it used), a ``kept_buffer``: one set per (device,
@@ -244,9 +218,3 @@ def arrival_counters(device: torch.device, count: int) -> torch.Tensor:
     set: replay them one at a time, not concurrently on several streams."""
     return kept_buffer("arrival counters", device, count,
                        lambda size: torch.zeros(size, dtype=torch.int32, device=device))
-
-
-def capturing(device: torch.device) -> bool:
-    """Whether the current stream of ``device`` is capturing a CUDA graph: what a kernel
-    would write now is only recorded, so a buffer made now is not valid outside that graph."""
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
