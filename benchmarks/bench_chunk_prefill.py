@@ -207,6 +207,8 @@ def timings(results, names, sweep):
                 sweep_cfgs += [ChunkConfig(chunk=64, block_v=bv, pipeline_stages=st) for bv in (16, 32, 64) for st in (1, 3)]
                 sweep_cfgs += [ChunkConfig(chunk=32, block_v=bv, prep_warps=4) for bv in (32, 64)]
                 sweep_cfgs += [replace(chunk_config(len(lens), HV, K, V), split_prep=True, prep_warps=w) for w in (4, 8)]
+                if len(lens) * HV <= 64:  # few (sequence, head) chains: cut each into pieces
+                    sweep_cfgs += [replace(chunk_config(len(lens), HV, K, V), chain_pieces=p) for p in (4, 8, 16)]
                 sweep_cfgs += [ChunkConfig(chunk=64, block_v=32, prep_warps=4),
                                ChunkConfig(chunk=64, block_v=32, dot_precision="tf32x3"),
                                ChunkConfig(chunk=64, block_v=64, dot_precision="tf32x3")]
@@ -215,7 +217,8 @@ def timings(results, names, sweep):
                 for cfg in sweep_cfgs:
                     variants.append((f"kdakit-c{cfg.chunk}-bv{cfg.block_v}-pw{cfg.prep_warps}-sw{cfg.state_warps}"
                                      f"-{cfg.dot_precision}-st{cfg.pipeline_stages}"
-                                     f"{'' if cfg.factor_safe_gate else '-exactdiag'}{'-split' if cfg.split_prep else ''}",
+                                     f"{'' if cfg.factor_safe_gate else '-exactdiag'}{'-split' if cfg.split_prep else ''}"
+                                     f"{f'-pieces{cfg.chain_pieces}' if cfg.chain_pieces > 1 else ''}",
                                      lambda layer, cfg=cfg: kdakit_call(layer, lb, cfg)))
             variants.append(("fla", lambda layer: fla_call(layer, lb)))
             variants.append(("fla-plain", lambda layer: fla_call(layer, lb, use_graph=False)))

@@ -153,6 +153,12 @@ chunk_prefill_triton(*xp, state, torch.tensor([1, 2], dtype=torch.int32), torch.
                      beta_mode=1, has_initial_state=None, chunk_states=None, chunk_state_indices=None,
                      config=ChunkConfig(split_prep=True))  # the prep as three launches
 assert COMPILED_FOR_TARGET[-4:] == ["_chunk_prep_kernel"] * 3 + ["_chunk_state_kernel"], COMPILED_FOR_TARGET[-4:]
+chunk_prefill_triton(*xp, state, torch.tensor([1, 2], dtype=torch.int32), torch.empty(1, Tp, HV, V, dtype=bf),
+                     cu_seqlens=cu_p, scale=0.1, use_qk_l2norm=True, A_log=A_log, dt_bias=dt_bias, lower_bound=None,
+                     beta_mode=1, has_initial_state=torch.tensor([True, False]), chunk_states=torch.zeros(3, HV, V, K),
+                     chunk_state_indices=torch.tensor([[0], [1]]), config=ChunkConfig(chain_pieces=3))  # a cut chain
+assert COMPILED_FOR_TARGET[-4:] == ["_chunk_prep_kernel", "_chunk_state_kernel", "_chunk_pieces_kernel",
+                                    "_chunk_state_kernel"], COMPILED_FOR_TARGET[-4:]
 from kdakit.compat.fla import fused_recurrent_kda  # noqa: E402  (K-major pool, zero initial states)
 os.environ["KDAKIT_BACKEND"] = "triton"  # the compat entry has no backend argument
 fused_recurrent_kda(rnd(1, 5, H, K), rnd(1, 5, H, K), rnd(1, 5, HV, V), rnd(1, 5, HV, K, dtype=torch.float32),

@@ -21,6 +21,7 @@ F64 = torch.float64
 IEEE16 = ChunkConfig(chunk=16, block_v=16, dot_precision="ieee")
 IEEE32 = ChunkConfig(chunk=32, block_v=16, dot_precision="ieee")
 IEEE32S = ChunkConfig(chunk=32, block_v=16, dot_precision="ieee", split_prep=True)  # the prep over three launches
+IEEE16C3 = ChunkConfig(chunk=16, block_v=16, dot_precision="ieee", chain_pieces=3)  # the chain in 3 pieces
 IEEE16W = ChunkConfig(chunk=16, block_v=32, dot_precision="ieee")  # a wider V tile
 ERRORS = {}  # measured relative errors, printed by the last test (pytest -s)
 
@@ -99,7 +100,8 @@ def check_pool(state, before, ref_pool, written, tol, what):
 # ----------------------------------------------------------------------------
 @pytest.mark.parametrize("H,HV,K,V", [(1, 1, 16, 32), (2, 4, 32, 16)], ids=["H1-HV1-K16-V32", "H2-HV4-K32-V16"])
 @pytest.mark.parametrize("gate", ["softplus", "safe", "log-decay"])
-@pytest.mark.parametrize("config", [IEEE16, IEEE32, IEEE32S], ids=["chunk16", "chunk32", "chunk32-split-prep"])
+@pytest.mark.parametrize("config", [IEEE16, IEEE32, IEEE32S, IEEE16C3],
+                         ids=["chunk16", "chunk32", "chunk32-split-prep", "chunk16-chain-3-pieces"])
 def test_varlen_against_float64(H, HV, K, V, gate, config):
     seqlens = [1, 36, 63]  # cu_seqlens [0, 1, 37, 100]: length 1, lengths off the chunk grid
     x, A_log, dt_bias, cu, state, T = make_case(H, HV, K, V, seqlens, raw_gate=gate != "log-decay", seed=1,
@@ -111,7 +113,8 @@ def test_varlen_against_float64(H, HV, K, V, gate, config):
     out = torch.full((1, T, HV, V), POISON)
     run_triton(x, A_log, dt_bias, cu, state, idx, out, config, lower_bound=lb)
     e_out = rel_err(out[:, :100], ref_out[:, :100])
-    ERRORS[f"varlen {gate} {H},{HV},{K},{V} C{config.chunk}{' split' if config.split_prep else ''}"] = e_out
+    ERRORS[f"varlen {gate} {H},{HV},{K},{V} C{config.chunk}{' split' if config.split_prep else ''}"
+           f"{f' pieces {config.chain_pieces}' if config.chain_pieces > 1 else ''}"] = e_out
     assert e_out < 1e-5, e_out
     assert (out[:, 100:] == POISON).all(), "rows outside cu_seqlens must not be written"
     check_pool(state, before, ref_pool, [4, 0, 2], 1e-5, "pool")
@@ -177,7 +180,8 @@ def test_bf16_pools_and_inputs(state_dtype, act):
     check_pool(state, before, ref_pool, [3, 0], 2e-2, "pool")
 
 
-def test_padding_out_of_range_slots_initial_state_mix_interleaved_pool():
+@pytest.mark.parametrize("config", [IEEE16W, IEEE16C3], ids=["whole-chain", "chain-3-pieces"])
+def test_padding_out_of_range_slots_initial_state_mix_interleaved_pool(config):
     """Slot -1 and slot >= slots are padding rows (zero outputs, no pool access); a sequence
     without an initial state starts from zeros and still writes its final state; the pool's
     gaps between slots (interleaved layers) and every other slot stay bitwise."""
@@ -194,7 +198,7 @@ def test_padding_out_of_range_slots_initial_state_mix_interleaved_pool():
     before_storage = storage(state).clone()
     ref_out, ref_pool, _ = ref64(x, A_log, dt_bias, cu, state, idx, has_initial_state=has_init)
     out = torch.full((1, T, HV, V), POISON)
-    run_triton(x, A_log, dt_bias, cu, state, idx, out, IEEE16W, has_initial_state=has_init)
+    run_triton(x, A_log, dt_bias, cu, state, idx, out, config, has_initial_state=has_init)
     covered = int(cu[-1])
     assert_close(out[:, :covered], ref_out[:, :covered], 1e-5, "out")
     assert (out[0, int(cu[1]):int(cu[2])] == 0).all(), "padding rows are zero"
@@ -212,7 +216,8 @@ def test_padding_out_of_range_slots_initial_state_mix_interleaved_pool():
     assert torch.equal(state[[1, 3, 5]], before[[1, 3, 5]])
 
 
-def test_chunk_boundary_states():
+@pytest.mark.parametrize("config", [IEEE16W, IEEE16C3], ids=["whole-chain", "chain-3-pieces"])
+def test_chunk_boundary_states(config):
     """The state after every CHUNK tokens goes to its scratch row (prefix caching); rows
     < 0 or out of range are skipped, the rest of the scratch stays bitwise."""
     H, HV, K, V = 1, 1, 16, 16
@@ -226,7 +231,7 @@ def test_chunk_boundary_states():
     _, ref_pool, ref_scratch = ref64(x, A_log, dt_bias, cu, state, idx, chunk_states=scratch,
                                      chunk_state_indices=rows, chunk_size=16)
     out = torch.zeros(1, T, HV, V)
-    run_triton(x, A_log, dt_bias, cu, state, idx, out, IEEE16W, chunk_states=scratch, chunk_state_indices=rows)
+    run_triton(x, A_log, dt_bias, cu, state, idx, out, config, chunk_states=scratch, chunk_state_indices=rows)
     # Every 32 tokens from 16-token chunks: only the state after token 32 of sequence 0.
     scratch32 = torch.full((6, HV, V, K), POISON)
     rows32 = torch.tensor([[2, 3], [-1, -1], [-1, -1], [5, 5]], dtype=torch.int32)

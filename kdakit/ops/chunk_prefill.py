@@ -90,6 +90,8 @@ class ChunkConfig:
     dot_precision: str = "tf32"      # "tf32", "tf32x3" or "ieee"
     pipeline_stages: int = 2         # state kernel: chunks whose factors are in flight at once (1: none ahead)
     factor_safe_gate: bool = True    # safe gate: in-sub-block pairs factored too (|Γ| <= 16·5 = 80 there)
+    chain_pieces: int = 1            # the state chain of each sequence cut into this many pieces (> 1: three
+    #                                  launches; fills the GPU for one long sequence with few heads)
     split_prep: bool = False         # the prep as three launches (token-parallel; exact in-sub-block
     #                                  pairs, a program per sub-block; the rest): fewer registers each
 
@@ -358,29 +360,33 @@ def _chain_step(S, c, c_first, live, counts, n64, bos, eos, i_hv, out, ws_q, ws_
                 stride_ci_j, offs_c, offs_k, offs_v, mask_v, mask_s,
                 HV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V_WS: tl.constexpr, C: tl.constexpr,
                 HAS_CHUNK_STATES: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERVAL: tl.constexpr,
-                ERR_INDEX: tl.constexpr):
-    """One chunk of the chain for one (sequence, value head, V tile): outputs, then the state."""
+                ERR_INDEX: tl.constexpr, V: tl.constexpr, OUTPUTS: tl.constexpr):
+    """One chunk of the chain for one (sequence, value head, V tile): outputs, then the state.
+    Without ``OUTPUTS`` only the state, whose rows past V (the transition of a piece of the
+    chain) take no ``u``."""
     ws_row = (c * HV + i_hv) * C
     p_ck = offs_c[:, None] * BLOCK_K + offs_k[None, :]
     b_w = tl.load(ws_w + ws_row * BLOCK_K + p_ck)
-    b_u = tl.load(ws_u + ws_row * BLOCK_V_WS + offs_c[:, None] * BLOCK_V_WS + offs_v[None, :])
-    b_qg = tl.load(ws_q + ws_row * BLOCK_K + p_ck)
+    b_u = tl.load(ws_u + ws_row * BLOCK_V_WS + offs_c[:, None] * BLOCK_V_WS + offs_v[None, :],
+                  mask=(offs_v < V)[None, :], other=0.0)
     b_kd = tl.load(ws_k + ws_row * BLOCK_K + p_ck)
-    b_P = tl.load(ws_p + ws_row * C + offs_c[:, None] * C + offs_c[None, :],  # blocks above the diagonal: unwritten
-                  mask=offs_c[:, None] // 16 >= offs_c[None, :] // 16, other=0.0)
     e_last = tl.load(ws_g + (c * HV + i_hv) * BLOCK_K + offs_k)
     St = tl.trans(S)  # [BLOCK_K, BLOCK_V]
     b_U = b_u - tl.dot(b_w, St, input_precision=DOT_PRECISION)  # [C, BLOCK_V]
-    b_o = tl.dot(b_qg, St, input_precision=DOT_PRECISION)
-    b_o = tl.dot(b_P, b_U, b_o, input_precision=DOT_PRECISION)
-    b_o = tl.where(live, b_o, 0.0)
     t0 = bos + (c - c_first) * C
-    tok = t0 + offs_c
-    tl.store(out + tok[:, None] * stride_o_t + i_hv * stride_o_h + offs_v[None, :],
-             b_o.to(out.dtype.element_ty), mask=(tok < eos)[:, None] & mask_v[None, :])
+    if OUTPUTS:
+        b_qg = tl.load(ws_q + ws_row * BLOCK_K + p_ck)
+        b_P = tl.load(ws_p + ws_row * C + offs_c[:, None] * C + offs_c[None, :],  # above the diagonal: unwritten
+                      mask=offs_c[:, None] // 16 >= offs_c[None, :] // 16, other=0.0)
+        b_o = tl.dot(b_qg, St, input_precision=DOT_PRECISION)
+        b_o = tl.dot(b_P, b_U, b_o, input_precision=DOT_PRECISION)
+        b_o = tl.where(live, b_o, 0.0)
+        tok = t0 + offs_c
+        tl.store(out + tok[:, None] * stride_o_t + i_hv * stride_o_h + offs_v[None, :],
+                 b_o.to(out.dtype.element_ty), mask=(tok < eos)[:, None] & mask_v[None, :])
     S = S * e_last[None, :]
     S = tl.dot(tl.trans(b_U), b_kd, S, input_precision=DOT_PRECISION)  # [BLOCK_V, BLOCK_K]
-    if HAS_CHUNK_STATES:
+    if HAS_CHUNK_STATES:  # (only with OUTPUTS: the launcher passes it so)
         # The state after the sequence's first (j+1)*INTERVAL tokens, when it has that many.
         EVERY: tl.constexpr = INTERVAL // C
         steps = c - c_first + 1
@@ -399,7 +405,7 @@ def _chain_step(S, c, c_first, live, counts, n64, bos, eos, i_hv, out, ws_q, ws_
 @triton.jit
 def _chunk_state_kernel(
     out, state, slot_indices, has_initial, cu_seqlens, chunk_first,
-    ws_q, ws_k, ws_w, ws_u, ws_p, ws_g, chunk_states, chunk_state_idx, errors,
+    ws_q, ws_k, ws_w, ws_u, ws_p, ws_g, chunk_states, chunk_state_idx, errors, pieces_ws,
     num_slots, num_chunk_slots, T, max_chunks,
     stride_o_t, stride_o_h, stride_s_slot, stride_s_h, stride_s_v, stride_s_k,
     stride_cs_slot, stride_cs_h, stride_cs_v, stride_cs_k, stride_ci_n, stride_ci_j, chunk_idx_cols,
@@ -407,55 +413,116 @@ def _chunk_state_kernel(
     BLOCK_K: tl.constexpr, BLOCK_V_WS: tl.constexpr, BLOCK_V: tl.constexpr, C: tl.constexpr,
     HAS_INITIAL_FLAGS: tl.constexpr, HAS_CHUNK_STATES: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PIPELINE_STAGES: tl.constexpr, INTERVAL: tl.constexpr, ERR_INDEX: tl.constexpr,
+    PIECES: tl.constexpr, MODE: tl.constexpr, ROWS: tl.constexpr, OUTPUTS: tl.constexpr,
 ):
-    i_v, i_hv, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # MODE 0: the whole chain of a sequence from its pool slot. With the chain cut into PIECES
+    # pieces (program_id 2 = sequence * PIECES + piece), MODE 1: a piece's transition, the
+    # chain run on the rows [0; I] of a [V + K, K] tile without outputs (rows < V: the state
+    # the piece reaches from zeros, B; rows >= V: the map M, so that the piece takes S to
+    # S M + B), into ``pieces_ws``; MODE 2: a piece's outputs from its start state (in
+    # ``pieces_ws``, from _chunk_pieces_kernel), the last piece writing the final state.
+    i_v, i_hv, i_prog = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_n = i_prog // PIECES
+    piece = i_prog % PIECES
     n64 = i_n.to(tl.int64)
     offs_c = tl.arange(0, C)
     offs_k = tl.arange(0, BLOCK_K)
     offs_v = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
     mask_k = offs_k < K
-    mask_v = offs_v < V
+    mask_v = offs_v < ROWS  # V, or V + K for a transition (MODE 1)
     mask_s = mask_v[:, None] & mask_k[None, :]
 
     slot = tl.load(slot_indices + n64).to(tl.int64)
     live = (slot >= 0) & (slot < num_slots)  # anything else is a padding row: no pool access
-    counts = (i_v == 0) & (i_hv == 0)  # the one program of the sequence that counts its bad indices
-    count_bad_row(errors, (slot >= num_slots) & counts, ERR_INDEX)
+    counts = (i_v == 0) & (i_hv == 0)  # the one program of the sequence (of the piece) that counts
+    if MODE != 1:
+        count_bad_row(errors, (slot >= num_slots) & counts & (piece == 0), ERR_INDEX)
     read = live
     if HAS_INITIAL_FLAGS:
         read = read & (tl.load(has_initial + n64) != 0)
     p_state = state + tl.where(live, slot, 0) * stride_s_slot + i_hv * stride_s_h \
         + offs_v[:, None] * stride_s_v + offs_k[None, :] * stride_s_k
-    S = tl.load(p_state, mask=mask_s & _bcast(read, mask_s), other=0.0).to(tl.float32)  # [BLOCK_V, BLOCK_K]
+    p_piece = pieces_ws + ((i_prog.to(tl.int64) * HV + i_hv) * ROWS + offs_v[:, None]) * K + offs_k[None, :]
+    if MODE == 0:
+        S = tl.load(p_state, mask=mask_s & _bcast(read, mask_s), other=0.0).to(tl.float32)  # [BLOCK_V, BLOCK_K]
+    elif MODE == 1:
+        S = tl.where((offs_v[:, None] - V == offs_k[None, :]) & mask_s, 1.0, 0.0)
+    else:
+        S = tl.load(p_piece, mask=mask_s, other=0.0)
 
     bos = tl.minimum(tl.maximum(tl.load(cu_seqlens + n64).to(tl.int64), 0), T)
     eos = tl.maximum(tl.minimum(tl.maximum(tl.load(cu_seqlens + n64 + 1).to(tl.int64), 0), T), bos)
     c_first = tl.load(chunk_first + n64).to(tl.int64)
     c_end = tl.minimum(tl.load(chunk_first + n64 + 1).to(tl.int64), max_chunks)  # never past the workspace
+    c_lo = c_first
+    c_hi = c_end
+    if PIECES > 1:
+        per_piece = (tl.maximum(c_end - c_first, 0) + PIECES - 1) // PIECES
+        c_lo = tl.minimum(c_first + piece * per_piece, c_end)
+        c_hi = tl.minimum(c_lo + per_piece, c_end)
     if PIPELINE_STAGES > 1:
         # A counted loop, so that the compiler streams the next chunks' factors into shared
         # memory while this chunk's products run (the interpreter cannot run a loop whose
         # bound is loaded, so it takes the while loop below: the same step).
-        for c in tl.range(c_first, c_end, num_stages=PIPELINE_STAGES):
+        for c in tl.range(c_lo, c_hi, num_stages=PIPELINE_STAGES):
             S = _chain_step(S, c, c_first, live, counts, n64, bos, eos, i_hv, out, ws_q, ws_k, ws_w, ws_u, ws_p, ws_g,
                             chunk_states, chunk_state_idx, errors, num_chunk_slots, chunk_idx_cols,
                             stride_o_t, stride_o_h, stride_cs_slot, stride_cs_h, stride_cs_v, stride_cs_k,
                             stride_ci_n, stride_ci_j, offs_c, offs_k, offs_v, mask_v, mask_s,
-                            HV, BLOCK_K, BLOCK_V_WS, C, HAS_CHUNK_STATES, DOT_PRECISION, INTERVAL, ERR_INDEX)
+                            HV, BLOCK_K, BLOCK_V_WS, C, HAS_CHUNK_STATES, DOT_PRECISION, INTERVAL, ERR_INDEX,
+                            V, OUTPUTS)
     else:
-        c = c_first
-        while c < c_end:
+        c = c_lo
+        while c < c_hi:
             S = _chain_step(S, c, c_first, live, counts, n64, bos, eos, i_hv, out, ws_q, ws_k, ws_w, ws_u, ws_p, ws_g,
                             chunk_states, chunk_state_idx, errors, num_chunk_slots, chunk_idx_cols,
                             stride_o_t, stride_o_h, stride_cs_slot, stride_cs_h, stride_cs_v, stride_cs_k,
                             stride_ci_n, stride_ci_j, offs_c, offs_k, offs_v, mask_v, mask_s,
-                            HV, BLOCK_K, BLOCK_V_WS, C, HAS_CHUNK_STATES, DOT_PRECISION, INTERVAL, ERR_INDEX)
+                            HV, BLOCK_K, BLOCK_V_WS, C, HAS_CHUNK_STATES, DOT_PRECISION, INTERVAL, ERR_INDEX,
+                            V, OUTPUTS)
             c += 1
-    tl.store(p_state, S.to(state.dtype.element_ty), mask=mask_s & _bcast(live, mask_s))
+    if MODE == 1:
+        tl.store(p_piece, S, mask=mask_s)
+    else:
+        # The piece that holds the sequence's last chunk (piece 0 of an empty one) ends it.
+        last = (c_hi >= c_end) & ((c_lo < c_end) | (piece == 0))
+        tl.store(p_state, S.to(state.dtype.element_ty), mask=mask_s & _bcast(live & last, mask_s))
+
+
+@triton.jit
+def _chunk_pieces_kernel(state, slot_indices, has_initial, pieces_ws, starts, num_slots,
+                         stride_s_slot, stride_s_h, stride_s_v, stride_s_k,
+                         HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BLOCK_K: tl.constexpr,
+                         BLOCK_V: tl.constexpr, PIECES: tl.constexpr, HAS_INITIAL_FLAGS: tl.constexpr,
+                         DOT_PRECISION: tl.constexpr):
+    """Each piece's start state from the pool slot and the pieces' transitions (S M + B), the
+    pieces in order: the only serial part of a cut chain, one [V, K] x [K, K] product a piece."""
+    i_v, i_hv, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    n64 = i_n.to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_v = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask_k = offs_k < K
+    mask_s = (offs_v < V)[:, None] & mask_k[None, :]
+    slot = tl.load(slot_indices + n64).to(tl.int64)
+    read = (slot >= 0) & (slot < num_slots)
+    if HAS_INITIAL_FLAGS:
+        read = read & (tl.load(has_initial + n64) != 0)
+    p_state = state + tl.where(read, slot, 0) * stride_s_slot + i_hv * stride_s_h \
+        + offs_v[:, None] * stride_s_v + offs_k[None, :] * stride_s_k
+    S = tl.load(p_state, mask=mask_s & _bcast(read, mask_s), other=0.0).to(tl.float32)
+    for p in tl.static_range(PIECES):
+        prog = n64 * PIECES + p
+        tl.store(starts + ((prog * HV + i_hv) * V + offs_v[:, None]) * K + offs_k[None, :], S, mask=mask_s)
+        base = pieces_ws + (prog * HV + i_hv) * (V + K) * K
+        B = tl.load(base + offs_v[:, None] * K + offs_k[None, :], mask=mask_s, other=0.0)
+        M = tl.load(base + (V + offs_k[:, None]) * K + offs_k[None, :], mask=mask_k[:, None] & mask_k[None, :],
+                    other=0.0)
+        S = tl.dot(S, M, B, input_precision=DOT_PRECISION)
 
 
 _chunk_prep = CachedKernel(_chunk_prep_kernel)
 _chunk_state = CachedKernel(_chunk_state_kernel)
+_chunk_pieces = CachedKernel(_chunk_pieces_kernel)
 
 
 def chunk_plan(cu_seqlens: torch.Tensor, chunk: int, max_chunks: int, T: int | None = None):
@@ -531,19 +598,38 @@ def chunk_prefill_triton(q, k, v, g, beta, state, slot_indices, out, *, cu_seqle
     ci = chunk_state_indices if has_cs else slot_indices
     ci_cols = ci.shape[1] if has_cs else 0
     block_v = min(cfg.block_v, BVW)
-    _chunk_state(
-        (cdiv(V, block_v), HV, N),
-        (out, state, slot_indices, has_initial_state if has_initial_state is not None else slot_indices,
-         cu_seqlens, first, ws_q, ws_k, ws_w, ws_u, ws_p, ws_g, cs, ci, errors.counters(q.device),
-         state.shape[0], cs.shape[0], T, max_chunks,
-         out.stride(1), out.stride(2), *state.stride(), *cs.stride(),
-         ci.stride(0), ci.stride(1) if has_cs else 0, ci_cols),
-        dict(H=H, HV=HV, K=K, V=V, BLOCK_K=BK, BLOCK_V_WS=BVW, BLOCK_V=block_v, C=C,
-             HAS_INITIAL_FLAGS=has_initial_state is not None, HAS_CHUNK_STATES=has_cs,
-             DOT_PRECISION=cfg.dot_precision, PIPELINE_STAGES=1 if interpreting() else cfg.pipeline_stages,
-             INTERVAL=chunk_state_interval,
-             ERR_INDEX=errors.INDEX["chunk_prefill"]),
-        num_warps=cfg.state_warps, num_stages=1)
+    state_args = (out, state, slot_indices, has_initial_state if has_initial_state is not None else slot_indices,
+                  cu_seqlens, first, ws_q, ws_k, ws_w, ws_u, ws_p, ws_g, cs, ci, errors.counters(q.device))
+    state_tail = (state.shape[0], cs.shape[0], T, max_chunks,
+                  out.stride(1), out.stride(2), *state.stride(), *cs.stride(),
+                  ci.stride(0), ci.stride(1) if has_cs else 0, ci_cols)
+    state_constexprs = dict(H=H, HV=HV, K=K, V=V, BLOCK_K=BK, BLOCK_V_WS=BVW, BLOCK_V=block_v, C=C,
+                            HAS_INITIAL_FLAGS=has_initial_state is not None, HAS_CHUNK_STATES=has_cs,
+                            DOT_PRECISION=cfg.dot_precision,
+                            PIPELINE_STAGES=1 if interpreting() else cfg.pipeline_stages,
+                            INTERVAL=chunk_state_interval, ERR_INDEX=errors.INDEX["chunk_prefill"])
+    P = cfg.chain_pieces
+    if P <= 1:
+        _chunk_state((cdiv(V, block_v), HV, N), (*state_args, state, *state_tail),
+                     dict(state_constexprs, PIECES=1, MODE=0, ROWS=V, OUTPUTS=True),
+                     num_warps=cfg.state_warps, num_stages=1)
+        return out
+    # The chain cut into P pieces of a sequence: each piece's transition (in parallel), the
+    # start states (serial over the pieces, one product each), then each piece's outputs.
+    transitions = torch.empty(N * P, HV, V + K, K, dtype=torch.float32, device=dev)
+    starts = torch.empty(N * P, HV, V, K, dtype=torch.float32, device=dev)
+    _chunk_state((cdiv(V + K, block_v), HV, N * P), (*state_args, transitions, *state_tail),
+                 dict(state_constexprs, HAS_CHUNK_STATES=False, PIECES=P, MODE=1, ROWS=V + K, OUTPUTS=False),
+                 num_warps=cfg.state_warps, num_stages=1)
+    _chunk_pieces((cdiv(V, 32), HV, N),
+                  (state, slot_indices, has_initial_state if has_initial_state is not None else slot_indices,
+                   transitions, starts, state.shape[0], *state.stride()),
+                  dict(HV=HV, K=K, V=V, BLOCK_K=BK, BLOCK_V=32, PIECES=P,
+                       HAS_INITIAL_FLAGS=has_initial_state is not None, DOT_PRECISION=cfg.dot_precision),
+                  num_warps=8, num_stages=1)
+    _chunk_state((cdiv(V, block_v), HV, N * P), (*state_args, starts, *state_tail),
+                 dict(state_constexprs, PIECES=P, MODE=2, ROWS=V, OUTPUTS=True),
+                 num_warps=cfg.state_warps, num_stages=1)
     return out
 
 
