@@ -33,7 +33,7 @@ product per pair of sub-blocks), and a pair inside one sub-block takes its exact
 in-sub-block pairs are factored too, as one more 16 x 16 product
 (``ChunkConfig.factor_safe_gate``); that is the one place an exponent is positive.
 
-Two kernels:
+The kernels:
 1. ``_chunk_prep_kernel``, one program per (chunk, value head), token-parallel: L2 norm,
    gate, β, the cumulative decay, ``A`` and ``P``, the inverse, and the chunk's ``w``,
    ``u``, ``q̂ ⊙ e^Γ``, ``k̂ ⊙ e^(Γ_C - Γ)``, ``P`` and ``e^Γ_C`` into a float32 workspace.
@@ -45,6 +45,14 @@ Two kernels:
    after every ``C`` tokens into scratch slots: prefix caching). A counted loop of
    ``ChunkConfig.pipeline_stages`` stages streams the next chunk's factors into shared
    memory during this chunk's products (the interpreter runs the same step in a while loop).
+   With ``ChunkConfig.chain_pieces = P > 1`` each sequence's chain is cut into P pieces of
+   chunks. A chunk maps every state row affinely, ``S -> S (diag(e^Γ_C) - wᵀ k̂_d) + uᵀ k̂_d``
+   (``k̂_d = k̂ ⊙ e^(Γ_C - Γ)``), so a piece maps ``S -> S M + B``: the same kernel runs each
+   piece from the rows ``[0; I]`` of a ``[V + K, K]`` tile, all pieces at once, giving ``B``
+   and ``M``; ``_chunk_pieces_kernel`` walks the pieces in order from the pool slot (one
+   ``[V, K] x [K, K]`` product each) for their start states; then the same kernel runs every
+   piece's outputs from its start, the last piece writing the final state. About twice the
+   chain's products, in P times as many programs: one long sequence with few heads.
 
 Matrix products use ``tl.dot`` with ``input_precision="tf32"`` by default (one TF32 pass on
 tensor cores: more accurate than fla's bf16 products on the same inputs, and 2.4x faster
