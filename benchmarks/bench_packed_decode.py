@@ -203,12 +203,12 @@ def timings(results, sweep: bool, quick: bool, configs=None, batches=None):
 
 def eager_breakdown(layer):
     """Host µs of each piece of one eager call: contract checks, backend choice, Triton launch."""
-    from kdakit import backends, contracts
+    from kdakit import backends
     from kdakit.ops import packed_decode as mod
     args = (layer["mixed"], layer["a"], layer["b"], layer["A_log"], layer["dt_bias"], layer["state"], layer["out"],
             layer["idx"])
     parts = {
-        "checks": lambda: contracts.check_packed_decode(*args),
+        "checks": lambda: mod.check_packed_decode(*args),
         "select": lambda: backends.select("packed_decode", layer["mixed"].device),
         "triton_impl": lambda: mod.packed_decode_triton(layer["mixed"], layer["a"], layer["b"], layer["A_log"],
                                                         layer["dt_bias"], layer["state"], layer["idx"], layer["out"],

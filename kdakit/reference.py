@@ -108,7 +108,7 @@ def split_packed_qkv(mixed, H, K, HV, V):
 
 
 def infer_packed_heads(qkv_dim: int, HV: int, V: int, K: int) -> int:
-    """H from the packed width ``2*H*K + HV*V`` (the checks of contracts.py ran first)."""
+    """H from the packed width ``2*H*K + HV*V`` (the op's input checks ran first)."""
     return (qkv_dim - HV * V) // 2 // K
 
 

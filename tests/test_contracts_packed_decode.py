@@ -1,4 +1,4 @@
-"""Packed decode: the public error contract (kdakit/contracts.py), exact texts and order,
+"""Packed decode: the public error contract (check_packed_decode in kdakit/ops/packed_decode.py), exact texts and order,
 through the native API and the sglang compat API; extra checks; full-check mode; backend selection.
 
 Every failing call must leave every buffer (state pool, out, inputs) bitwise unchanged.
@@ -9,8 +9,9 @@ import pytest
 import torch
 
 import kdakit
-from kdakit import backends, contracts
+from kdakit import backends
 from kdakit.compat.sglang import fused_recurrent_kda_packed_decode
+from kdakit.ops.packed_decode import check_packed_decode
 
 from helpers import POISON
 
@@ -326,20 +327,20 @@ def test_helion_pow2_check(K_, V_, ok):
     t = make_inputs(K=K_, V=V_)
     args = (t["mixed_qkv"], t["a"], t["b"], t["A_log"], t["dt_bias"], t["state"], t["out"], t["slot_indices"])
     if ok:
-        assert contracts.check_packed_decode(*args, helion=True) == H
+        assert check_packed_decode(*args, helion=True) == H
         return
     with pytest.raises(ValueError) as excinfo:
-        contracts.check_packed_decode(*args, helion=True)
+        check_packed_decode(*args, helion=True)
     assert str(excinfo.value) == ("Helion KDA decode requires power-of-two key and value head dimensions "
                                   f"(got K={K_}, V={V_}).")
     # Helion's check sits after the state-pool checks and before the `a` shape check.
     a_width(t)
     with pytest.raises(ValueError, match=r"^Helion KDA decode requires power-of-two"):
-        contracts.check_packed_decode(t["mixed_qkv"], t["a"], *args[2:], helion=True)
+        check_packed_decode(t["mixed_qkv"], t["a"], *args[2:], helion=True)
     state_3d(t)
     with pytest.raises(ValueError, match=r"^`initial_state` must be a 4D tensor"):
-        contracts.check_packed_decode(t["mixed_qkv"], t["a"], t["b"], t["A_log"], t["dt_bias"], t["state"],
-                                      t["out"], t["slot_indices"], helion=True)
+        check_packed_decode(t["mixed_qkv"], t["a"], t["b"], t["A_log"], t["dt_bias"], t["state"],
+                            t["out"], t["slot_indices"], helion=True)
 
 
 # ----------------------------------------------------------------------------

@@ -32,9 +32,9 @@ import warnings
 
 import torch
 
-from .. import contracts
 from ..buffers import kept_buffer
-from ..ops.recurrent_forward import BETA_AS_IS, BETA_SIGMOID, BETA_SIGMOID_X2, run_recurrent_forward
+from ..ops.recurrent_forward import (BETA_AS_IS, BETA_SIGMOID, BETA_SIGMOID_X2, check_recurrent_forward,
+                                     run_recurrent_forward)
 
 def identity_slots(device: torch.device, count: int) -> torch.Tensor:
     """``[0, 1, .., count-1]`` int32 on ``device``: sequence n uses state n. A
@@ -157,11 +157,11 @@ def fused_recurrent_kda_fwd(
                 final_state = final_states = q.new_empty(N, *alloc, dtype=torch.float32)
             else:
                 final_state = token_states = q.new_empty(q.shape[1], *alloc, dtype=torch.float32)
-    contracts.check_recurrent_forward(q, k, v, g, beta, pool, slots, out_flat, cu_seqlens=cu_seqlens,
-                                      A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
-                                      num_accepted_tokens=num_accepted_tokens, token_states=token_states,
-                                      final_states=final_states, state_name="initial_state",
-                                      k_major=not state_v_first)
+    check_recurrent_forward(q, k, v, g, beta, pool, slots, out_flat, cu_seqlens=cu_seqlens,
+                            A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+                            num_accepted_tokens=num_accepted_tokens, token_states=token_states,
+                            final_states=final_states, state_name="initial_state",
+                            k_major=not state_v_first)
     run_recurrent_forward(q, k, v, g, beta, _v_major(pool, state_v_first), slots, out_flat, cu_seqlens=cu_seqlens,
                           scale=scale, use_qk_l2norm=use_qk_l2norm_in_kernel, A_log=A_log, dt_bias=dt_bias,
                           lower_bound=lower_bound, beta_mode=beta_mode, num_accepted_tokens=num_accepted_tokens,
@@ -341,9 +341,9 @@ def chunk_kda(
     else:
         final = initial_state.clone(memory_format=torch.contiguous_format)
     slots = identity_slots(q.device, N)
-    contracts.check_recurrent_forward(q, k, v_flat, g, beta, final, slots, out_flat, cu_seqlens=cu_seqlens,
-                                      A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
-                                      state_name="initial_state", k_major=not state_v_first)
+    check_recurrent_forward(q, k, v_flat, g, beta, final, slots, out_flat, cu_seqlens=cu_seqlens,
+                            A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+                            state_name="initial_state", k_major=not state_v_first)
     run_chunk_prefill(q, k, v_flat, g, beta, _v_major(final, state_v_first), slots, out_flat,
                       cu_seqlens=cu_seqlens, scale=scale, use_qk_l2norm=use_qk_l2norm_in_kernel, A_log=A_log,
                       dt_bias=dt_bias, lower_bound=lower_bound, beta_mode=beta_mode)

@@ -76,7 +76,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import contracts, errors, reference
+from .. import errors, reference
 from ..backends import register, select
 from .launch import CachedKernel, cdiv, interpreting, next_power_of_2
 from .triton_math import count_bad_row, kda_log_decay
@@ -686,6 +686,61 @@ def chunk_prefill_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
                       chunk_state_indices=chunk_state_indices, backend=backend)
 
 
+from ..contracts import STATE_DTYPES, _shape, check_finite, check_index_dtype  # noqa: E402
+from ..contracts import check_same_device, full_checks_enabled  # noqa: E402
+from .recurrent_forward import _check_recurrent_forward_values, check_recurrent_forward  # noqa: E402
+
+
+# ----------------------------------------------------------------------------
+# Input checks
+# ----------------------------------------------------------------------------
+def check_chunk_prefill(q, k, v, g, beta, state, slot_indices, out, *, cu_seqlens, A_log=None, dt_bias=None,
+                        lower_bound=None, has_initial_state=None, chunk_states=None, chunk_state_indices=None,
+                        full_checks=None) -> int:
+    """The chunked-prefill contract (the varlen recurrent forward's, 1-D slots only, plus
+    ``has_initial_state`` and the chunk-boundary states). Returns N."""
+    if not (slot_indices.dim() == 1):
+        raise ValueError(f"`slot_indices` must be 1D [N] for chunk_prefill (got ndim={slot_indices.dim()}); "
+                         "each sequence starts from and writes back to one slot.")
+    full = full_checks_enabled(full_checks)
+    N = check_recurrent_forward(q, k, v, g, beta, state, slot_indices, out, cu_seqlens=cu_seqlens, A_log=A_log,
+                                dt_bias=dt_bias, lower_bound=lower_bound, full_checks=False)
+    if has_initial_state is not None:
+        if not (_shape(has_initial_state) == (N,)):
+            raise ValueError(f"`has_initial_state` must have shape ({N},), one flag per sequence "
+                             f"(got {_shape(has_initial_state)}).")
+        if not (has_initial_state.dtype in (torch.bool, torch.int32, torch.int64)):
+            raise ValueError(f"`has_initial_state` must be a bool, int32 or int64 tensor (got {has_initial_state.dtype}).")
+    if (chunk_states is None) != (chunk_state_indices is None):
+        raise ValueError("`chunk_states` and `chunk_state_indices` go together: pass both or neither.")
+    if chunk_states is not None:
+        _, HV, V, K = state.shape
+        if not (chunk_states.dim() == 4 and tuple(chunk_states.shape[1:]) == (HV, V, K)):
+            raise ValueError(f"`chunk_states` must have shape [scratch, HV={HV}, V={V}, K={K}] "
+                             f"(got {_shape(chunk_states)}).")
+        if not (chunk_states.stride(-1) == 1 and chunk_states.stride(2) == K and chunk_states.stride(1) == V * K):
+            raise ValueError(f"`chunk_states` must have contiguous inner dims [HV, V, K] "
+                             f"(got strides {tuple(chunk_states.stride())}).")
+        if not (chunk_states.dtype in STATE_DTYPES):
+            raise ValueError(f"`chunk_states` must be float32, bfloat16 or float16 (got {chunk_states.dtype}).")
+        if not (chunk_state_indices.dim() == 2 and chunk_state_indices.shape[0] == N):
+            raise ValueError(f"`chunk_state_indices` must have shape [N={N}, M] (got {_shape(chunk_state_indices)}).")
+        check_index_dtype("chunk_state_indices", chunk_state_indices)
+    check_same_device(q, state, slot_indices, cu_seqlens, has_initial_state, chunk_states, chunk_state_indices)
+    if full:
+        _check_recurrent_forward_values(slot_indices, None, cu_seqlens, q.shape[1], state.shape[0])
+        check_finite(True, A_log=A_log, dt_bias=dt_bias)
+        if chunk_states is not None:
+            rows = chunk_state_indices[chunk_state_indices >= 0]
+            if rows.numel():
+                if not (int(rows.max()) < chunk_states.shape[0]):
+                    raise ValueError(f"`chunk_state_indices` holds row {int(rows.max())}, out of range for "
+                                     f"`chunk_states` of {chunk_states.shape[0]} rows.")
+                if not (torch.unique(rows).numel() == rows.numel()):
+                    raise ValueError("`chunk_state_indices` holds the same row twice; each boundary needs its own row.")
+    return N
+
+
 def chunk_prefill(q, k, v, g, beta, state, slot_indices, *, cu_seqlens=None, A_log=None, dt_bias=None,
                   lower_bound=None, beta_is_logit=False, has_initial_state=None, use_qk_l2norm=True, scale=None,
                   chunk_states=None, chunk_state_indices=None, out=None, full_checks=None, backend=None):
@@ -708,10 +763,10 @@ def chunk_prefill(q, k, v, g, beta, state, slot_indices, *, cu_seqlens=None, A_l
         out = torch.zeros_like(v) if v.dim() == 4 else v.new_zeros(0)
     if cu_seqlens is None and q.dim() == 4:  # one sequence (a kernel, not a host copy: capturable)
         cu_seqlens = torch.arange(2, dtype=torch.int32, device=q.device) * q.shape[1]
-    contracts.check_chunk_prefill(q, k, v, g, beta, state, slot_indices, out, cu_seqlens=cu_seqlens, A_log=A_log,
-                                  dt_bias=dt_bias, lower_bound=lower_bound, has_initial_state=has_initial_state,
-                                  chunk_states=chunk_states, chunk_state_indices=chunk_state_indices,
-                                  full_checks=full_checks)
+    check_chunk_prefill(q, k, v, g, beta, state, slot_indices, out, cu_seqlens=cu_seqlens, A_log=A_log,
+                        dt_bias=dt_bias, lower_bound=lower_bound, has_initial_state=has_initial_state,
+                        chunk_states=chunk_states, chunk_state_indices=chunk_state_indices,
+                        full_checks=full_checks)
     beta_mode = BETA_SIGMOID if beta_is_logit else BETA_AS_IS
     chunk_prefill_op(q, k, v, g, beta, state, slot_indices, out, cu_seqlens, scale, use_qk_l2norm, A_log, dt_bias,
                      lower_bound, beta_mode, has_initial_state, chunk_states, chunk_state_indices, backend)

@@ -16,8 +16,11 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
-from .. import contracts, errors, reference
+from .. import errors, reference
 from ..backends import register, select
+from ..contracts import (check_conv_bias, check_conv_pool, check_conv_weight, check_dim, check_finite,
+                         check_float_dtype, check_last_dim_contiguous, check_same_device, check_shape,
+                         check_slot_indices, check_slot_values, full_checks_enabled)
 from .launch import CachedKernel, cdiv, next_power_of_2
 from .registry import example_index, example_randn, example_rng, kdakit_op
 from .triton_math import count_bad_row, short_conv_update
@@ -102,6 +105,31 @@ def causal_conv1d_update_op(x: torch.Tensor, conv_state: torch.Tensor, weight: t
     impl(x, conv_state, weight, slot_indices, out, bias=bias)
 
 
+# ----------------------------------------------------------------------------
+# Input checks
+# ----------------------------------------------------------------------------
+def check_causal_conv1d_update(x, conv_state, weight, slot_indices, out, *, bias=None, full_checks=None) -> int:
+    """``x [B, C]``, ``conv_state [slots, C, W-1]``, ``weight [C, W]``, ``out [B, C]`` (x's dtype). Returns W."""
+    check_dim("x", x, 2, "[B, C]")
+    check_last_dim_contiguous("x", x)
+    check_float_dtype("x", x)
+    check_same_device(x, conv_state, weight, slot_indices, out, bias)
+    B, C = x.shape
+    W = check_conv_weight("weight", weight, C)
+    check_conv_bias("bias", bias, C)
+    check_conv_pool("conv_state", conv_state, C, W)
+    check_slot_indices("slot_indices", slot_indices, B)
+    check_shape("out", out, (B, C), "[B, C]")
+    check_last_dim_contiguous("out", out)
+    if not (out.dtype == x.dtype):
+        raise ValueError(f"`out` must have x's dtype {x.dtype}: post-conv values are rounded to the activation "
+                         f"dtype (got {out.dtype}).")
+    if full_checks_enabled(full_checks):
+        check_slot_values("slot_indices", slot_indices, conv_state.shape[0], full_checks=True)
+        check_finite(True, weight=weight, bias=bias)
+    return W
+
+
 def causal_conv1d_update(x, conv_state, weight, slot_indices, *, bias=None, out=None, backend=None,
                          full_checks=None):
     """Short conv (SiLU) of one token for ``B`` requests; shifts ``conv_state[slot_indices[i]]`` in place.
@@ -112,8 +140,8 @@ def causal_conv1d_update(x, conv_state, weight, slot_indices, *, bias=None, out=
     """
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    contracts.check_causal_conv1d_update(x, conv_state, weight, slot_indices, out, bias=bias,
-                                         full_checks=full_checks)
+    check_causal_conv1d_update(x, conv_state, weight, slot_indices, out, bias=bias,
+                               full_checks=full_checks)
     causal_conv1d_update_op(x, conv_state, weight, slot_indices, out, bias, backend)
     return out
 

@@ -27,8 +27,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import contracts, errors, reference
+from .. import errors, reference
 from ..backends import register, select
+from ..contracts import (_shape, check_conv_bias, check_conv_pool, check_conv_weight, check_dim, check_finite,
+                         check_float_dtype, check_index_dtype, check_non_overlapping, check_same_device, check_shape,
+                         check_slot_values, full_checks_enabled)
 from .launch import CachedKernel, cdiv, next_power_of_2
 from .registry import example_index, example_randn, example_rng, kdakit_op
 from .triton_math import count_bad_row
@@ -238,6 +241,86 @@ def causal_conv1d_varlen_op(x: torch.Tensor, conv_state: torch.Tensor, weight: t
          activation=activation)
 
 
+# ----------------------------------------------------------------------------
+# Input checks
+# ----------------------------------------------------------------------------
+CONV_ACTIVATIONS = ("silu", "swish", None)
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two plain eager tensors share bytes (a conservative span test; False while
+    tracing, where fake tensors have no memory)."""
+    if torch.compiler.is_compiling() or type(a) is not torch.Tensor or type(b) is not torch.Tensor:
+        return False
+    if a.numel() == 0 or b.numel() == 0 or a.device != b.device or a.device.type == "meta":
+        return False
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+
+    def span(t):
+        lo = t.storage_offset() * t.element_size()
+        hi = lo + (sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1) * t.element_size()
+        return lo, hi
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
+
+
+def check_causal_conv1d_varlen(x, conv_state, weight, cu_seqlens, slot_indices, out, *, has_initial_state=None,
+                               bias=None, activation="silu", full_checks=None) -> int:
+    """``x [T, C]`` (any strides), ``conv_state [slots, C, W-1]`` (any non-overlapping strides),
+    ``weight [C, W]`` float32, ``cu_seqlens [N+1]``, ``slot_indices [N]``, ``has_initial_state [N]``
+    bool, ``bias [C]`` float32, ``out [T, C]`` in x's dtype (any non-overlapping strides, not
+    sharing memory with x). Returns W.
+
+    The values of ``cu_seqlens`` (0 first, never decreasing, T last) and the slot range are data:
+    reading them is a device sync, so they are checked in full-check mode only (by default a
+    slot outside the pool is padding, and the kernel never reads outside the offsets' buffers).
+    """
+    check_dim("x", x, 2, "[T, C]")
+    check_float_dtype("x", x)
+    check_same_device(x, conv_state, weight, cu_seqlens, slot_indices, out, has_initial_state, bias)
+    T, C = x.shape
+    W = check_conv_weight("weight", weight, C)
+    check_conv_bias("bias", bias, C)
+    check_conv_pool("conv_state", conv_state, C, W)
+    if not (cu_seqlens.dim() == 1 and cu_seqlens.numel() >= 1):
+        raise ValueError(f"`cu_seqlens` must be a 1D tensor of N+1 offsets [0, .., T] (got shape "
+                         f"{_shape(cu_seqlens)}).")
+    check_index_dtype("cu_seqlens", cu_seqlens)
+    N = cu_seqlens.numel() - 1
+    if not (T == 0 or N >= 1):
+        raise ValueError(f"`cu_seqlens` must hold at least 2 offsets [0, .., T] for T={T} tokens (got shape "
+                         f"{_shape(cu_seqlens)}).")
+    if not (slot_indices.dim() == 1 and slot_indices.shape[0] == N):
+        raise ValueError(f"`slot_indices` must have shape [N] = ({N},), one slot per sequence of `cu_seqlens` "
+                         f"(got {_shape(slot_indices)}).")
+    check_index_dtype("slot_indices", slot_indices)
+    if has_initial_state is not None:
+        if not (has_initial_state.dim() == 1 and has_initial_state.shape[0] == N):
+            raise ValueError(f"`has_initial_state` must have shape [N] = ({N},), one flag per sequence (got "
+                             f"{_shape(has_initial_state)}).")
+        if not (has_initial_state.dtype == torch.bool):
+            raise ValueError(f"`has_initial_state` must be a bool tensor (got {has_initial_state.dtype}); "
+                             "pass has_initial_state.bool().")
+    check_shape("out", out, (T, C), "[T, C]")
+    if not (out.dtype == x.dtype):
+        raise ValueError(f"`out` must have x's dtype {x.dtype}: post-conv values are rounded to the activation "
+                         f"dtype (got {out.dtype}).")
+    check_non_overlapping("out", out)
+    if _overlaps(out, x):
+        raise ValueError("`out` shares memory with `x`; the conv of a token reads its neighbours, which other "
+                         "programs may already have overwritten, so it cannot run in place: pass a separate `out`.")
+    if not (activation in CONV_ACTIVATIONS):
+        raise ValueError(f"`activation` must be 'silu', 'swish' or None (got {activation!r}).")
+    if full_checks_enabled(full_checks):
+        bounds = cu_seqlens.tolist()
+        if not (bounds[0] == 0 and all(a <= b for a, b in zip(bounds, bounds[1:])) and bounds[-1] == T):
+            raise ValueError(f"`cu_seqlens` must rise from 0 to T={T} without decreasing (got {bounds}).")
+        check_slot_values("slot_indices", slot_indices, conv_state.shape[0], full_checks=True)
+        check_finite(True, weight=weight, bias=bias)
+    return W
+
+
 def causal_conv1d_varlen(x, conv_state, weight, cu_seqlens, slot_indices, *, has_initial_state=None, bias=None,
                          activation="silu", out=None, backend=None, full_checks=None):
     """Short conv of the tokens of ``N`` sequences; the slots' windows are left after each one's last token.
@@ -251,9 +334,9 @@ def causal_conv1d_varlen(x, conv_state, weight, cu_seqlens, slot_indices, *, has
     """
     if out is None:
         out = torch.empty_like(x)
-    contracts.check_causal_conv1d_varlen(x, conv_state, weight, cu_seqlens, slot_indices, out,
-                                         has_initial_state=has_initial_state, bias=bias, activation=activation,
-                                         full_checks=full_checks)
+    check_causal_conv1d_varlen(x, conv_state, weight, cu_seqlens, slot_indices, out,
+                               has_initial_state=has_initial_state, bias=bias, activation=activation,
+                               full_checks=full_checks)
     causal_conv1d_varlen_op(x, conv_state, weight, cu_seqlens, slot_indices, out, has_initial_state, bias,
                             activation is not None, backend)
     return out

@@ -18,8 +18,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import contracts, errors, reference
+from .. import errors, reference
 from ..backends import register, select
+from ..contracts import (_shape, check_conv_bias, check_conv_pool, check_conv_weight, check_dim, check_finite,
+                         check_float_dtype, check_float_dtypes, check_gate_inputs, check_head_dims,
+                         check_last_dim_contiguous, check_lower_bound, check_same_device, check_slot_indices,
+                         check_slot_values, check_state_pool, full_checks_enabled)
 from .conv1d_update import Conv1dUpdateConfig, causal_conv1d_update_triton
 from .gated_rmsnorm import GatedRMSNormConfig, gated_rmsnorm_after
 from .launch import CachedKernel, arrival_counters, cdiv, next_power_of_2, pdl_available
@@ -343,6 +347,75 @@ def fused_decode_op(qkv: torch.Tensor, conv_weight: torch.Tensor, conv_state: to
          scale=scale, lower_bound=lower_bound, norm_gate=norm_gate, norm_weight=norm_weight, norm_eps=norm_eps)
 
 
+# ----------------------------------------------------------------------------
+# Input checks
+# ----------------------------------------------------------------------------
+def check_fused_decode(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, state, slot_indices, out, *,
+                       conv_bias=None, lower_bound=None, norm_gate=None, norm_weight=None, norm_eps=1e-6,
+                       full_checks=None) -> tuple:
+    """The fused decode step. Returns ``(H, W)``."""
+    check_dim("qkv", qkv, 2, "[B, 2*H*K + HV*V]")
+    check_last_dim_contiguous("qkv", qkv)
+    check_dim("a", a, 2, "[B, HV*K]")
+    check_dim("b", b, 2, "[B, HV]")
+    check_last_dim_contiguous("a", a)
+    check_last_dim_contiguous("b", b)
+    if not (A_log.dim() == 1 and dt_bias.dim() == 1):
+        raise ValueError(f"`A_log`/`dt_bias` must be 1D tensors (got A_log.ndim={A_log.dim()}, "
+                         f"dt_bias.ndim={dt_bias.dim()}).")
+    if not (A_log.is_contiguous() and dt_bias.is_contiguous()):
+        raise ValueError("`A_log`/`dt_bias` must be contiguous.")
+    if (norm_gate is None) != (norm_weight is None):
+        raise ValueError("the fused output norm needs both `norm_gate` and `norm_weight` "
+                         f"(got norm_gate={'a tensor' if norm_gate is not None else None}, "
+                         f"norm_weight={'a tensor' if norm_weight is not None else None}).")
+    check_same_device(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, state, slot_indices, out,
+                      conv_bias, norm_gate, norm_weight)
+    B, D = qkv.shape
+    if not (a.shape[0] == B and b.shape[0] == B):
+        raise ValueError(f"Mismatched batch sizes: qkv.shape[0]={B}, a.shape[0]={a.shape[0]}, b.shape[0]={b.shape[0]}.")
+    check_slot_indices("slot_indices", slot_indices, B)
+    check_state_pool(state, "state")
+    _, HV, V, K = state.shape
+    check_head_dims(K, V)
+    check_gate_inputs(a, b, A_log, dt_bias, B, HV, K)
+    qk_dim = D - HV * V
+    if not (qk_dim > 0 and qk_dim % 2 == 0):
+        raise ValueError(f"Invalid packed `qkv` last dim={D} for HV={HV}, V={V}; expected 2*H*K + HV*V.")
+    if not ((qk_dim // 2) % K == 0):
+        raise ValueError(f"Invalid packed Q size {qk_dim // 2} in `qkv` (last dim={D}): must be divisible by K={K}.")
+    H = qk_dim // 2 // K
+    if not (HV % H == 0):
+        raise ValueError(f"Invalid head config inferred from qkv: H={H}, HV={HV}.")
+    W = check_conv_weight("conv_weight", conv_weight, D)
+    check_conv_bias("conv_bias", conv_bias, D)
+    check_conv_pool("conv_state", conv_state, D, W)
+    if not (_shape(out) == (B, 1, HV, V)):
+        raise ValueError(f"`out` must have shape {(B, 1, HV, V)} (got out.shape={_shape(out)}).")
+    if not (out.is_contiguous()):
+        raise ValueError("`out` must be contiguous.")
+    if norm_gate is not None:
+        if not (_shape(norm_gate) == (B, HV * V)):
+            raise ValueError(f"`norm_gate` must have shape [B, HV*V] = ({B}, {HV * V}) (got {_shape(norm_gate)}).")
+        check_last_dim_contiguous("norm_gate", norm_gate)
+        check_float_dtype("norm_gate", norm_gate)
+        if not (_shape(norm_weight) == (V,)):
+            raise ValueError(f"`norm_weight` must have shape [V] = ({V},) (got {_shape(norm_weight)}).")
+        if not (norm_weight.dtype == torch.float32):
+            raise ValueError(f"`norm_weight` must be float32 (got {norm_weight.dtype}).")
+        if not (norm_weight.is_contiguous()):
+            raise ValueError("`norm_weight` must be contiguous.")
+        if not (float(norm_eps) > 0.0):
+            raise ValueError(f"`norm_eps` must be > 0 (got {norm_eps}).")
+    check_float_dtypes(qkv=qkv, a=a, b=b, out=out, A_log=A_log, dt_bias=dt_bias)
+    check_lower_bound(lower_bound)
+    if full_checks_enabled(full_checks):
+        check_slot_values("slot_indices", slot_indices, min(state.shape[0], conv_state.shape[0]), full_checks=True)
+        check_finite(True, A_log=A_log, dt_bias=dt_bias, conv_weight=conv_weight, conv_bias=conv_bias,
+                     norm_weight=norm_weight)
+    return H, W
+
+
 def fused_decode(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, state, slot_indices, *, conv_bias=None,
                  scale=None, lower_bound=None, norm_gate=None, norm_weight=None, norm_eps=1e-6, out=None,
                  backend=None, full_checks=None):
@@ -359,9 +432,9 @@ def fused_decode(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, state, slot
     if out is None:
         out = (qkv.new_empty(qkv.shape[0], 1, state.shape[1], state.shape[2])
                if qkv.dim() == 2 and state.dim() == 4 else qkv.new_empty(0))
-    contracts.check_fused_decode(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, state, slot_indices, out,
-                                 conv_bias=conv_bias, lower_bound=lower_bound, norm_gate=norm_gate,
-                                 norm_weight=norm_weight, norm_eps=norm_eps, full_checks=full_checks)
+    check_fused_decode(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, state, slot_indices, out,
+                       conv_bias=conv_bias, lower_bound=lower_bound, norm_gate=norm_gate,
+                       norm_weight=norm_weight, norm_eps=norm_eps, full_checks=full_checks)
     scale = state.shape[-1] ** -0.5 if scale is None else scale
     fused_decode_op(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, state, slot_indices, out, conv_bias, scale,
                     lower_bound, norm_gate, norm_weight, norm_eps, backend)

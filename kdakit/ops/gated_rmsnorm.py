@@ -13,8 +13,10 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-from .. import contracts, reference
+from .. import reference
 from ..backends import register, select
+from ..contracts import (_shape, check_finite, check_float_dtype, check_last_dim_contiguous, check_non_overlapping,
+                         check_same_device, full_checks_enabled)
 from .launch import CachedKernel, cdiv, next_power_of_2
 from .registry import example_rand, example_randn, example_rng, kdakit_op
 from .triton_math import gated_rmsnorm_tile
@@ -91,7 +93,7 @@ def gated_rmsnorm_triton(x, gate, weight, out, *, eps, groups, wait_for_x=False,
 def gated_rmsnorm_after(x, gate, weight, out, *, eps, wait_for_x, config: GatedRMSNormConfig | None = None):
     """The Triton norm of ``x``, an intermediate another kdakit kernel has just written
     (``wait_for_x``: launched as its programmatic dependent); shapes already valid."""
-    groups = contracts.check_gated_rmsnorm(x, gate, weight, out, eps=eps, full_checks=False)
+    groups = check_gated_rmsnorm(x, gate, weight, out, eps=eps, full_checks=False)
     return gated_rmsnorm_triton(x, gate, weight, out, eps=eps, groups=groups, wait_for_x=wait_for_x, config=config)
 
 
@@ -101,7 +103,7 @@ def gated_rmsnorm_reference(x, gate, weight, out, *, eps, groups):
 
 
 def run_gated_rmsnorm(x, gate, weight, out, eps, groups, backend):
-    """Dispatch after validation; ``groups`` as ``contracts.row_groups`` gives them."""
+    """Dispatch after validation; ``groups`` as ``row_groups`` gives them."""
     _, impl = select("gated_rmsnorm", x.device, backend)
     impl(x, gate, weight, out, eps=eps, groups=groups)
 
@@ -115,9 +117,85 @@ def _schema_args(x, gate, weight, out, eps, groups, backend):
 @kdakit_op("gated_rmsnorm", mutates=("out",), dispatch=run_gated_rmsnorm, flatten=_schema_args)
 def gated_rmsnorm_op(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps: float,
                      groups: list[int], backend: str | None) -> None:
-    """``groups`` is ``contracts.row_groups`` flattened: ``[n_outer, n_inner, sxo, sxi, sgo, sgi, soo, soi]``."""
+    """``groups`` is ``row_groups`` flattened: ``[n_outer, n_inner, sxo, sxi, sgo, sgi, soo, soi]``."""
     n_outer, n_inner, sxo, sxi, sgo, sgi, soo, soi = groups
     run_gated_rmsnorm(x, gate, weight, out, eps, (n_outer, n_inner, ((sxo, sxi), (sgo, sgi), (soo, soi))), backend)
+
+
+# ----------------------------------------------------------------------------
+# Input checks
+# ----------------------------------------------------------------------------
+MAX_NORM_DIM = 16384
+
+
+def row_groups(shape: tuple, *tensors) -> tuple:
+    """Rows of ``[..., D]`` tensors as ``(n_outer, n_inner, [(stride_outer, stride_inner) per tensor])``.
+
+    The leading dims of every tensor must collapse into at most two strided groups at
+    the same place (a contiguous ``[B, 1, HV, V]`` output and a gate sliced from a wider
+    ``[B, HV*V + ...]`` projection both do). Returns None when they do not.
+    """
+    if any(n == 0 for n in shape[:-1]):
+        return 0, 1, [(0, 0) for _ in tensors]
+    lead = [d for d in range(len(shape) - 1) if shape[d] > 1]
+    breaks = set()
+    for t in tensors:
+        for i in range(len(lead) - 1):
+            outer, inner = lead[i], lead[i + 1]
+            if t.stride(outer) != t.stride(inner) * t.shape[inner]:
+                breaks.add(i)
+    if len(breaks) > 1:
+        return None
+    if not lead:
+        return 1, 1, [(0, 0) for _ in tensors]
+    if breaks:
+        cut = breaks.pop()
+        outer_dims, inner_dims = lead[:cut + 1], lead[cut + 1:]
+    else:
+        outer_dims, inner_dims = [], lead
+    n_outer = 1
+    for d in outer_dims:
+        n_outer *= shape[d]
+    n_inner = 1
+    for d in inner_dims:
+        n_inner *= shape[d]
+    strides = [(t.stride(outer_dims[-1]) if outer_dims else 0, t.stride(inner_dims[-1])) for t in tensors]
+    return n_outer, n_inner, strides
+
+
+def check_gated_rmsnorm(x, gate, weight, out, *, eps=1e-6, full_checks=None) -> tuple:
+    """``x, gate, out [..., V]``, ``weight [V]`` float32. Returns ``row_groups`` of (x, gate, out)."""
+    if not (x.dim() >= 1):
+        raise ValueError(f"`x` must have at least 1 dim [..., V] (got ndim={x.dim()}).")
+    V = x.shape[-1]
+    for name, t in (("x", x), ("gate", gate), ("out", out)):
+        check_float_dtype(name, t)
+    check_same_device(x, gate, weight, out)
+    if not (_shape(gate) == _shape(x)):
+        raise ValueError(f"`gate` must have x's shape {_shape(x)} (got {_shape(gate)}).")
+    if not (_shape(out) == _shape(x)):
+        raise ValueError(f"`out` must have x's shape {_shape(x)} (got {_shape(out)}).")
+    if not (weight.dim() == 1 and weight.shape[0] == V):
+        raise ValueError(f"`weight` must have shape [V] = ({V},) (got {_shape(weight)}).")
+    if not (weight.dtype == torch.float32):
+        raise ValueError(f"`weight` must be float32 (got {weight.dtype}).")
+    if not (weight.is_contiguous()):
+        raise ValueError("`weight` must be contiguous.")
+    if not (1 <= V <= MAX_NORM_DIM):
+        raise ValueError(f"gated RMSNorm dim V must be in [1, {MAX_NORM_DIM}] (got V={V}).")
+    for name, t in (("x", x), ("gate", gate), ("out", out)):
+        check_last_dim_contiguous(name, t)
+    check_non_overlapping("out", out)
+    if not (float(eps) > 0.0):
+        raise ValueError(f"`eps` must be > 0 (got {eps}).")
+    groups = row_groups(_shape(x), x, gate, out)
+    if groups is None:
+        raise ValueError(f"the leading dims of `x`, `gate` and `out` (shape {_shape(x)}, strides "
+                         f"{tuple(x.stride())}, {tuple(gate.stride())}, {tuple(out.stride())}) must collapse into "
+                         "at most two strided row groups; pass .contiguous() copies of x and gate.")
+    if full_checks_enabled(full_checks):
+        check_finite(True, weight=weight)
+    return groups
 
 
 def gated_rmsnorm(x, gate, weight, *, eps=1e-6, out=None, backend=None, full_checks=None):
@@ -127,7 +205,7 @@ def gated_rmsnorm(x, gate, weight, *, eps=1e-6, out=None, backend=None, full_che
     """
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    groups = contracts.check_gated_rmsnorm(x, gate, weight, out, eps=eps, full_checks=full_checks)
+    groups = check_gated_rmsnorm(x, gate, weight, out, eps=eps, full_checks=full_checks)
     gated_rmsnorm_op(x, gate, weight, out, eps, groups, backend)
     return out
 

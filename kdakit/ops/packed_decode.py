@@ -14,8 +14,11 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from .. import contracts, errors, reference
+from .. import errors, reference
 from ..backends import forced_backend, register, select
+from ..contracts import (_shape, check_finite, check_float_dtypes, check_gate_inputs, check_head_dims,
+                         check_index_dtype, check_lower_bound, check_same_device, check_slot_values, check_state_pool,
+                         full_checks_enabled)
 from .launch import CachedKernel, cdiv, next_power_of_2
 from .registry import example_index, example_pool, example_rand, example_randn, example_rng, kdakit_op
 from .triton_math import count_bad_row, delta_rule_update, kda_log_decay, l2_normalize, mask_if
@@ -165,6 +168,67 @@ def packed_decode_op(mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, 
          scale=scale, use_qk_l2norm=use_qk_l2norm, lower_bound=lower_bound)
 
 
+# ----------------------------------------------------------------------------
+# Input checks
+# ----------------------------------------------------------------------------
+def check_packed_decode(mixed_qkv, a, b, A_log, dt_bias, initial_state, out, ssm_state_indices, *,
+                        lower_bound=None, helion=False, full_checks=None) -> int:
+    """The sglang packed-decode contract, in its order. Returns H."""
+    if not (mixed_qkv.dim() == 2):
+        raise ValueError(f"`mixed_qkv` must be a 2D tensor (got ndim={mixed_qkv.dim()}).")
+    if not (mixed_qkv.stride(-1) == 1):
+        raise ValueError("`mixed_qkv` must be contiguous in the last dim.")
+    if not (a.dim() == 2 and b.dim() == 2):
+        raise ValueError(f"`a` and `b` must be 2D tensors (got a.ndim={a.dim()}, b.ndim={b.dim()}).")
+    if not (a.stride(-1) == 1 and b.stride(-1) == 1):
+        raise ValueError("`a`/`b` must be contiguous in the last dim.")
+    if not (A_log.dim() == 1 and dt_bias.dim() == 1):
+        raise ValueError("`A_log`/`dt_bias` must be 1D tensors.")
+    if not (A_log.is_contiguous() and dt_bias.is_contiguous()):
+        raise ValueError("`A_log`/`dt_bias` must be contiguous.")
+    if not (ssm_state_indices.dim() == 1):
+        raise ValueError(f"`ssm_state_indices` must be 1D for packed decode (got ndim={ssm_state_indices.dim()}).")
+    if not (out.is_contiguous()):
+        raise ValueError("`out` must be contiguous.")
+    check_same_device(mixed_qkv, a, b, A_log, dt_bias, initial_state, out, ssm_state_indices)
+    B = mixed_qkv.shape[0]
+    if not (a.shape[0] == B and b.shape[0] == B):
+        raise ValueError(f"Mismatched batch sizes: mixed_qkv.shape[0]={B}, a.shape[0]={a.shape[0]}, b.shape[0]={b.shape[0]}.")
+    if not (_shape(ssm_state_indices) == (B,)):
+        raise ValueError(f"`ssm_state_indices` must have shape [B] (got {_shape(ssm_state_indices)}; expected ({B},)).")
+    if not (initial_state.dim() == 4):
+        raise ValueError(f"`initial_state` must be a 4D tensor (got ndim={initial_state.dim()}).")
+    if not (initial_state.stride(-1) == 1):
+        raise ValueError("`initial_state` must be contiguous in the last dim.")
+    _, HV, V, K = initial_state.shape
+    if helion:
+        if not (K & (K - 1) == 0 and V & (V - 1) == 0):
+            raise ValueError(f"Helion KDA decode requires power-of-two key and value head dimensions (got K={K}, V={V}).")
+    check_gate_inputs(a, b, A_log, dt_bias, B, HV, K)
+    if not (_shape(out) == (B, 1, HV, V)):
+        raise ValueError(f"`out` must have shape {(B, 1, HV, V)} (got out.shape={_shape(out)}).")
+    qk_dim = mixed_qkv.shape[1] - HV * V
+    if not (qk_dim > 0 and qk_dim % 2 == 0):
+        raise ValueError(f"Invalid packed `mixed_qkv` last dim={mixed_qkv.shape[1]} for HV={HV}, V={V}.")
+    q_dim = qk_dim // 2
+    if not (q_dim % K == 0):
+        raise ValueError(f"Invalid packed Q size {q_dim}: must be divisible by K={K}. KDA packed decode requires "
+                     "num_q_heads == num_k_heads and head_q_dim == head_k_dim.")
+    H = q_dim // K
+    if not (H > 0 and HV % H == 0):
+        raise ValueError(f"Invalid head config inferred from mixed_qkv: H={H}, HV={HV}.")
+    # Beyond the sglang contract: what a kernel would otherwise silently get wrong.
+    check_state_pool(initial_state)
+    check_head_dims(K, V)
+    check_float_dtypes(mixed_qkv=mixed_qkv, a=a, b=b, out=out, A_log=A_log, dt_bias=dt_bias)
+    check_index_dtype("ssm_state_indices", ssm_state_indices)
+    check_lower_bound(lower_bound)
+    if full_checks_enabled(full_checks):
+        check_slot_values("ssm_state_indices", ssm_state_indices, initial_state.shape[0], full_checks=True)
+        check_finite(True, A_log=A_log, dt_bias=dt_bias)
+    return H
+
+
 def packed_decode(mixed_qkv, a, b, A_log, dt_bias, state, slot_indices, out=None, *,
                   scale=None, use_qk_l2norm=True, lower_bound=None, backend=None, full_checks=None):
     """One-token KDA decode for ``B`` requests over ``state [slots, HV, V, K]``.
@@ -176,8 +240,8 @@ def packed_decode(mixed_qkv, a, b, A_log, dt_bias, state, slot_indices, out=None
     if out is None:
         out = (mixed_qkv.new_empty(mixed_qkv.shape[0], 1, state.shape[1], state.shape[2])
                if mixed_qkv.dim() == 2 and state.dim() == 4 else mixed_qkv.new_empty(0))
-    contracts.check_packed_decode(mixed_qkv, a, b, A_log, dt_bias, state, out, slot_indices, lower_bound=lower_bound,
-                                  helion=(backend or forced_backend()) == "helion", full_checks=full_checks)
+    check_packed_decode(mixed_qkv, a, b, A_log, dt_bias, state, out, slot_indices, lower_bound=lower_bound,
+                        helion=(backend or forced_backend()) == "helion", full_checks=full_checks)
     scale = state.shape[-1] ** -0.5 if scale is None else scale
     packed_decode_op(mixed_qkv, a, b, A_log, dt_bias, state, slot_indices, out, scale, use_qk_l2norm, lower_bound,
                      backend)

@@ -13,9 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import contracts, errors
+from .. import errors
 from ..backends import register, select
 from ..contracts import env_flag
+from .packed_decode import check_packed_decode
 
 INSTALL_HINT = "install it with `pip install kdakit[helion]` (helion==1.5.1)"
 
@@ -165,8 +166,8 @@ def packed_decode_helion(mixed_qkv, a, b, A_log, dt_bias, state, slot_indices, o
 def helion_fused_recurrent_kda_packed_decode(mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, out,
                                              ssm_state_indices, use_qk_l2norm_in_kernel=False, lower_bound=None):
     """sglang's Helion packed decode: into the caller's ``out`` and ``initial_state``; returns both."""
-    contracts.check_packed_decode(mixed_qkv, a, b, A_log, dt_bias, initial_state, out, ssm_state_indices,
-                                  lower_bound=lower_bound, helion=True)
+    check_packed_decode(mixed_qkv, a, b, A_log, dt_bias, initial_state, out, ssm_state_indices,
+                        lower_bound=lower_bound, helion=True)
     scale = initial_state.shape[-1] ** -0.5 if scale is None else scale
     _, impl = select("packed_decode", mixed_qkv.device, "helion")
     impl(mixed_qkv, a, b, A_log, dt_bias, initial_state, ssm_state_indices, out,

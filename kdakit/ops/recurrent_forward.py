@@ -27,8 +27,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import contracts, errors, reference
+from .. import errors, reference
 from ..backends import register, select
+from ..contracts import (STATE_DTYPES, _shape, check_finite, check_float_dtypes, check_head_dims, check_index_dtype,
+                         check_lower_bound, check_same_device, check_slot_values, full_checks_enabled)
 from .launch import CachedKernel, cdiv, next_power_of_2
 from .registry import example_index, example_pool, example_rand, example_randn, example_rng, kdakit_op
 from .triton_math import count_bad_row, delta_rule_update, kda_log_decay, l2_normalize, mask_if
@@ -338,6 +340,152 @@ def recurrent_forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
                           backend=backend)
 
 
+# ----------------------------------------------------------------------------
+# Input checks
+# ----------------------------------------------------------------------------
+def _check_strided_states(name, t, shape, layout) -> None:
+    """An output of per-token or per-sequence states: shape ``shape``, a state dtype."""
+    if not (_shape(t) == tuple(shape)):
+        raise ValueError(f"`{name}` must have shape {tuple(shape)} ({layout}) (got {_shape(t)}).")
+    if not (t.dtype in STATE_DTYPES):
+        raise ValueError(f"`{name}` must be float32, bfloat16 or float16 (got {t.dtype}).")
+
+
+def check_recurrent_forward(q, k, v, g, beta, state, slot_indices, out, *, cu_seqlens=None, A_log=None,
+                            dt_bias=None, lower_bound=None, num_accepted_tokens=None, token_states=None,
+                            final_states=None, state_name="state", k_major=False, full_checks=None) -> int:
+    """The varlen recurrent-forward contract. Returns N, the number of sequences.
+
+    ``state`` is the pool as the caller passed it: ``[slots, HV, V, K]`` (V-major), or
+    ``[slots, HV, K, V]`` when ``k_major`` (fla's default layout); ``token_states`` and
+    ``final_states`` are in the same layout. The two varlen texts are fla's, exactly.
+    """
+    for name, t, nd in (("q", q, 4), ("k", k, 4), ("v", v, 4), ("g", g, 4), ("beta", beta, 3)):
+        if not (t.dim() == nd):
+            raise ValueError(f"`{name}` must be a {nd}D tensor (got ndim={t.dim()}).")
+    B = q.shape[0]
+    if cu_seqlens is not None:
+        if not (B == 1):
+            raise ValueError(f"The batch size is expected to be 1 rather than {B} when using `cu_seqlens`."
+                             f"Please flatten variable-length inputs before processing.")
+        if not (cu_seqlens.dim() == 1 and cu_seqlens.numel() >= 1):
+            raise ValueError(f"`cu_seqlens` must be a 1D tensor of N+1 offsets (got shape {_shape(cu_seqlens)}).")
+        check_index_dtype("cu_seqlens", cu_seqlens)
+        N = cu_seqlens.numel() - 1
+    else:
+        if not (B == 1):
+            raise ValueError(f"recurrent_forward takes one flattened batch [1, T, ...] (got batch size {B}). "
+                             f"Reshape the inputs to [1, B*T, ...] and pass cu_seqlens = arange(0, B*T+1, T).")
+        N = 1
+    if not (slot_indices.dim() in (1, 2)):
+        raise ValueError(f"`slot_indices` must be 1D [N] or 2D [N, T_max] (got ndim={slot_indices.dim()}).")
+    if not (slot_indices.shape[0] == N):
+        raise ValueError(f"The number of initial states is expected to be equal to the number of input sequences, "
+                         f"i.e., {N} rather than {slot_indices.shape[0]}.")
+    _, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    if not (_shape(k) == _shape(q)):
+        raise ValueError(f"`k` must have the shape of `q` {_shape(q)} (got {_shape(k)}).")
+    if not (v.shape[:2] == (1, T)):
+        raise ValueError(f"`v` must have shape [1, T={T}, HV, V] (got {_shape(v)}).")
+    if not (H > 0 and HV % H == 0):
+        raise ValueError(f"The number of value heads must be a multiple of the key heads (got H={H}, HV={HV}).")
+    if not (_shape(g) == (1, T, HV, K)):
+        raise ValueError(f"`g` must have shape {(1, T, HV, K)} [1, T, HV, K] (got {_shape(g)}).")
+    if not (_shape(beta) == (1, T, HV)):
+        raise ValueError(f"`beta` must have shape {(1, T, HV)} [1, T, HV] (got {_shape(beta)}); "
+                         "a per-value-channel (headwise) beta is not supported.")
+    if not (_shape(out) == _shape(v)):
+        raise ValueError(f"`out` must have the shape of `v` {_shape(v)} (got {_shape(out)}).")
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("out", out)):
+        if not (t.stride(-1) == 1):
+            raise ValueError(f"`{name}` must be contiguous in the last dim.")
+    check_head_dims(K, V)
+    # The pool, in the caller's layout.
+    layout = "[slots, HV, K, V]" if k_major else "[slots, HV, V, K]"
+    if not (state.dim() == 4):
+        raise ValueError(f"`{state_name}` must be a 4D tensor {layout} (got ndim={state.dim()}).")
+    inner = (HV, K, V) if k_major else (HV, V, K)
+    if not (tuple(state.shape[1:]) == inner):
+        other = "state_v_first=True for a V-major pool" if k_major else "a V-major pool (transpose a K-major one)"
+        raise ValueError(f"`{state_name}` must have shape {layout} with HV={HV}, "
+                         f"{'K' if k_major else 'V'}={inner[1]}, {'V' if k_major else 'K'}={inner[2]} "
+                         f"(got {_shape(state)}); pass {other}.")
+    if not (state.stride(-1) == 1 and state.stride(2) == inner[2] and state.stride(1) == inner[1] * inner[2]
+            and (state.shape[0] <= 1 or state.stride(0) >= HV * K * V)):
+        raise ValueError(f"`{state_name}` must have contiguous inner dims [{layout[8:]} and a slot stride >= "
+                         f"HV*K*V (got strides {tuple(state.stride())} for shape {_shape(state)}).")
+    if not (state.dtype in STATE_DTYPES):
+        raise ValueError(f"`{state_name}` must be float32, bfloat16 or float16 (got {state.dtype}).")
+    if slot_indices.dim() == 2 and not (slot_indices.shape[1] >= 1):
+        raise ValueError(f"2D `slot_indices` must have at least one column (got {_shape(slot_indices)}).")
+    if num_accepted_tokens is not None:
+        if not (slot_indices.dim() == 2):
+            raise ValueError("`num_accepted_tokens` needs 2D `slot_indices` [N, T_max] (one slot per token); "
+                             "with 1D indices each sequence starts from its own slot.")
+        if not (_shape(num_accepted_tokens) == (N,)):
+            raise ValueError(f"`num_accepted_tokens` must have shape ({N},) (got {_shape(num_accepted_tokens)}).")
+        check_index_dtype("num_accepted_tokens", num_accepted_tokens)
+    state_layout = (HV, K, V) if k_major else (HV, V, K)
+    if token_states is not None:
+        _check_strided_states("token_states", token_states, (T, *state_layout), layout.replace("slots", "T"))
+    if final_states is not None:
+        _check_strided_states("final_states", final_states, (N, *state_layout), layout.replace("slots", "N"))
+    if A_log is not None:
+        if dt_bias is None:
+            raise ValueError("The gate in kernel (`A_log` given) needs `dt_bias` [HV*K] too.")
+        if not (A_log.dim() == 1 and A_log.numel() == HV):
+            raise ValueError(f"`A_log` must be a 1D tensor of {HV} elements (got shape {_shape(A_log)}).")
+        if not (dt_bias.numel() == HV * K and dt_bias.is_contiguous()):
+            raise ValueError(f"`dt_bias` must be a contiguous tensor of HV*K={HV * K} elements "
+                             f"(got shape {_shape(dt_bias)}).")
+        if not (A_log.is_contiguous()):
+            raise ValueError("`A_log`/`dt_bias` must be contiguous.")
+    elif dt_bias is not None or lower_bound is not None:
+        raise ValueError("`dt_bias` and `lower_bound` belong to the gate in kernel: pass `A_log` (and the raw gate "
+                         "as `g`), or pass the log-decay as `g` without them.")
+    check_lower_bound(lower_bound)
+    check_float_dtypes(q=q, k=k, v=v, g=g, beta=beta, out=out)
+    if A_log is not None:
+        check_float_dtypes(A_log=A_log, dt_bias=dt_bias)
+    check_index_dtype("slot_indices", slot_indices)
+    check_same_device(q, k, v, g, beta, state, slot_indices, out, cu_seqlens, A_log, dt_bias,
+                      num_accepted_tokens, token_states, final_states)
+    if full_checks_enabled(full_checks):
+        _check_recurrent_forward_values(slot_indices, num_accepted_tokens, cu_seqlens, T, state.shape[0])
+        check_finite(True, A_log=A_log, dt_bias=dt_bias)
+    return N
+
+
+def _check_recurrent_forward_values(slot_indices, num_accepted_tokens, cu_seqlens, T, num_slots) -> None:
+    """Data checks (syncs): offsets, accepted counts, and the slots each sequence touches."""
+    bounds = cu_seqlens.tolist() if cu_seqlens is not None else [0, T]
+    if not (bounds[0] == 0 and all(a <= b for a, b in zip(bounds, bounds[1:])) and bounds[-1] <= T):
+        raise ValueError(f"`cu_seqlens` must rise from 0 to at most T={T} (got {bounds}).")
+    if slot_indices.dim() == 1:
+        check_slot_values("slot_indices", slot_indices, num_slots, full_checks=True)
+        return
+    T_max = slot_indices.shape[1]
+    lens = [b - a for a, b in zip(bounds, bounds[1:])]
+    if not (max(lens, default=0) <= T_max):
+        raise ValueError(f"2D `slot_indices` has {T_max} columns but a sequence has {max(lens)} tokens.")
+    starts = [0] * len(lens)
+    if num_accepted_tokens is not None:
+        starts = [int(a) - 1 for a in num_accepted_tokens.tolist()]
+        if not all(0 <= s < T_max for s in starts):
+            raise ValueError(f"`num_accepted_tokens` must be in [1, {T_max}] (got {[s + 1 for s in starts]}).")
+    rows = slot_indices.tolist()
+    touched = []
+    for row, start, n_tok in zip(rows, starts, lens):
+        used = set(row[:n_tok]) | {row[start]}
+        touched.extend(s for s in used if s >= 0)
+    if touched and not (max(touched) < num_slots):
+        raise ValueError(f"`slot_indices` holds slot {max(touched)}, out of range for a pool of {num_slots} slots.")
+    if not (len(set(touched)) == len(touched)):
+        raise ValueError("`slot_indices` holds the same live slot in two sequences of one batch; "
+                         "each sequence needs its own slots.")
+
+
 def recurrent_forward(q, k, v, g, beta, state, slot_indices, *, cu_seqlens=None, scale=None, use_qk_l2norm=True,
                       A_log=None, dt_bias=None, lower_bound=None, beta_is_logit=False, num_accepted_tokens=None,
                       token_states=None, write_final_state=True, out=None, full_checks=None, backend=None):
@@ -353,10 +501,10 @@ def recurrent_forward(q, k, v, g, beta, state, slot_indices, *, cu_seqlens=None,
     """
     if out is None:
         out = torch.zeros_like(v) if v.dim() == 4 else v.new_zeros(0)
-    contracts.check_recurrent_forward(q, k, v, g, beta, state, slot_indices, out, cu_seqlens=cu_seqlens,
-                                      A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
-                                      num_accepted_tokens=num_accepted_tokens, token_states=token_states,
-                                      full_checks=full_checks)
+    check_recurrent_forward(q, k, v, g, beta, state, slot_indices, out, cu_seqlens=cu_seqlens,
+                            A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+                            num_accepted_tokens=num_accepted_tokens, token_states=token_states,
+                            full_checks=full_checks)
     recurrent_forward_op(q, k, v, g, beta, state, slot_indices, out, cu_seqlens, scale, use_qk_l2norm, A_log, dt_bias,
                          lower_bound, BETA_SIGMOID if beta_is_logit else BETA_AS_IS, num_accepted_tokens, token_states,
                          write_final_state, None, True, backend)

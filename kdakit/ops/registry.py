@@ -17,7 +17,7 @@ public entry, after validation::
         impl(x, ...)
 
     def causal_conv1d_update(x, ...):          # the public entry
-        contracts.check_causal_conv1d_update(...)
+        check_causal_conv1d_update(...)        # its input contract, in the same module
         causal_conv1d_update_op(x, ..., backend)
         return out
 
