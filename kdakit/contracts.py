@@ -19,11 +19,6 @@ ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_HEAD_DIM = 256
 
 
-def fail(message: str):
-    """Raise the contract's ValueError (one place, so every op raises alike)."""
-    raise ValueError(message)
-
-
 def env_flag(name: str) -> str:
     """An environment variable, read on every call: tests and users flip them at run time
     (about 0.7 µs a read; an eager call reads two or three)."""

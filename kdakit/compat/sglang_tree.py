@@ -25,7 +25,6 @@ import torch
 
 from .. import reference
 from ..backends import forced_backend, triton_runs_on
-from ..contracts import fail
 from ..ops.conv1d_update import causal_conv1d_update as _conv_update_one_token
 from ..ops.tree_conv import tree_conv_channels
 from ..ops.tree_verify import tree_verify
@@ -83,12 +82,12 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, cach
     if isinstance(activation, bool):
         activation = "silu" if activation else None
     if activation not in ("silu", "swish"):
-        fail(f"kdakit's causal_conv1d_update applies SiLU; activation={activation!r} is not supported.")
+        raise ValueError(f"kdakit's causal_conv1d_update applies SiLU; activation={activation!r} is not supported.")
     if cache_seqlens is not None or num_accept_tokens is not None:
-        fail("kdakit's causal_conv1d_update has no circular conv state (`cache_seqlens`) or "
+        raise ValueError("kdakit's causal_conv1d_update has no circular conv state (`cache_seqlens`) or "
              "`num_accept_tokens` window offset; commit the accepted node's window instead.")
     if pad_slot_id != PAD_SLOT_ID:
-        fail(f"kdakit's padding slot id is {PAD_SLOT_ID} (got pad_slot_id={pad_slot_id}).")
+        raise ValueError(f"kdakit's padding slot id is {PAD_SLOT_ID} (got pad_slot_id={pad_slot_id}).")
     unsqueeze = x.dim() == 2
     if unsqueeze:
         x = x.unsqueeze(-1)
@@ -98,31 +97,31 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, cach
     weight = weight.float().contiguous()
     bias = bias.float().contiguous() if bias is not None else None
     if (retrieve_next_token is None) != (retrieve_next_sibling is None):
-        fail("a tree needs `retrieve_next_token` and `retrieve_next_sibling` together.")
+        raise ValueError("a tree needs `retrieve_next_token` and `retrieve_next_sibling` together.")
     if retrieve_next_token is None and intermediate_conv_window is None:
         if seqlen != 1:
-            fail(f"without `intermediate_conv_window` kdakit's causal_conv1d_update takes one token (got seqlen={seqlen}).")
+            raise ValueError(f"without `intermediate_conv_window` kdakit's causal_conv1d_update takes one token (got seqlen={seqlen}).")
         out = _conv_update_one_token(x[..., 0], conv_state, weight, slots, bias=bias)
         return out if unsqueeze else out.unsqueeze(-1)
     if intermediate_conv_window is None or intermediate_state_indices is None:
-        fail("tree target verify needs `intermediate_conv_window` and `intermediate_state_indices`.")
+        raise ValueError("tree target verify needs `intermediate_conv_window` and `intermediate_state_indices`.")
     W = weight.shape[1]
     ic = intermediate_conv_window
     if conv_state.dim() != 3 or tuple(conv_state.shape[1:]) != (dim, W - 1):
-        fail(f"`conv_state` must be [cache_lines, dim={dim}, W-1={W - 1}] (got {tuple(conv_state.shape)}).")
+        raise ValueError(f"`conv_state` must be [cache_lines, dim={dim}, W-1={W - 1}] (got {tuple(conv_state.shape)}).")
     if ic.dim() != 4 or ic.shape[1] < seqlen or tuple(ic.shape[2:]) != (dim, W - 1) or ic.stride(3) != 1 \
             or ic.stride(2) != W - 1:
-        fail(f"`intermediate_conv_window` must be [scratch, >={seqlen}, {dim}, {W - 1}] with contiguous inner dims "
+        raise ValueError(f"`intermediate_conv_window` must be [scratch, >={seqlen}, {dim}, {W - 1}] with contiguous inner dims "
              f"(got {tuple(ic.shape)}).")
     if tuple(weight.shape) != (dim, W):
-        fail(f"`weight` must be [dim={dim}, W] (got {tuple(weight.shape)}).")
+        raise ValueError(f"`weight` must be [dim={dim}, W] (got {tuple(weight.shape)}).")
     for name, t in (("conv_state_indices", slots), ("intermediate_state_indices", intermediate_state_indices)):
         if tuple(t.shape) != (batch,):
-            fail(f"`{name}` must have shape ({batch},) (got {tuple(t.shape)}).")
+            raise ValueError(f"`{name}` must have shape ({batch},) (got {tuple(t.shape)}).")
     if retrieve_next_token is not None:
         for name, t in (("retrieve_next_token", retrieve_next_token), ("retrieve_next_sibling", retrieve_next_sibling)):
             if t.dim() != 2 or t.shape[0] != batch or t.shape[1] < seqlen:
-                fail(f"`{name}` must be [batch={batch}, >={seqlen}] (got {tuple(t.shape)}).")
+                raise ValueError(f"`{name}` must be [batch={batch}, >={seqlen}] (got {tuple(t.shape)}).")
         parents = _parents_from_links(retrieve_next_token, retrieve_next_sibling, seqlen)
         if retrieve_parent_token is not None:
             retrieve_parent_token[:, :seqlen].copy_(parents)
@@ -153,28 +152,28 @@ def fused_sigmoid_gating_delta_rule_update(A_log, a, dt_bias, softplus_beta, sof
     like ``v`` in ``q``'s dtype."""
     del cache_steps, num_warps  # the buffer's own shape gives the step stride; launch config is kdakit's
     if not is_kda:
-        fail("kdakit implements the KDA form only (is_kda=True); gated delta net heads are not supported.")
+        raise ValueError("kdakit implements the KDA form only (is_kda=True); gated delta net heads are not supported.")
     if not use_qk_l2norm_in_kernel:
-        fail("kdakit's verify always L2-normalises q and k in kernel (KDA); use_qk_l2norm_in_kernel=False is not "
+        raise ValueError("kdakit's verify always L2-normalises q and k in kernel (KDA); use_qk_l2norm_in_kernel=False is not "
              "supported.")
     if lower_bound is None and (float(softplus_beta) != 1.0 or float(softplus_threshold) != 20.0):
-        fail(f"kdakit's gate uses softplus with beta=1 and threshold=20 (got softplus_beta={softplus_beta}, "
+        raise ValueError(f"kdakit's gate uses softplus with beta=1 and threshold=20 (got softplus_beta={softplus_beta}, "
              f"softplus_threshold={softplus_threshold}).")
     if intermediate_states_buffer is None or intermediate_state_indices is None or not disable_state_update:
-        fail("kdakit's fused_sigmoid_gating_delta_rule_update covers target verify only: pass "
+        raise ValueError("kdakit's fused_sigmoid_gating_delta_rule_update covers target verify only: pass "
              "`intermediate_states_buffer`, `intermediate_state_indices` and disable_state_update=True (plain "
              "decode: kdakit.packed_decode / fused_decode; prefill: kdakit.recurrent_forward).")
     if cache_ring or any(r is not None for r in (replayssm_rawv, replayssm_rawk, replayssm_g, replayssm_beta)):
-        fail("kdakit's tree verify drop-in keeps snapshots (intermediate_states_buffer); its ring mode is "
+        raise ValueError("kdakit's tree verify drop-in keeps snapshots (intermediate_states_buffer); its ring mode is "
              "kdakit.tree_verify(rings=...) with kdakit.commit_tree_ring.")
     if q.dim() != 4 or v.dim() != 4:
-        fail(f"expected q [B, T, H, K] and v [B, T, HV, V] (got {tuple(q.shape)}, {tuple(v.shape)}).")
+        raise ValueError(f"expected q [B, T, H, K] and v [B, T, HV, V] (got {tuple(q.shape)}, {tuple(v.shape)}).")
     B, T_all, H, K = q.shape
     HV, V = v.shape[2:]
     if cu_seqlens is not None:
         N = cu_seqlens.numel() - 1
         if B != 1 or N <= 0 or T_all % N:
-            fail(f"tree verify needs B = 1 and the same number of nodes per request with `cu_seqlens` "
+            raise ValueError(f"tree verify needs B = 1 and the same number of nodes per request with `cu_seqlens` "
                  f"(got B={B}, {T_all} tokens for N={N} requests).")
         T = T_all // N
     else:
@@ -182,7 +181,7 @@ def fused_sigmoid_gating_delta_rule_update(A_log, a, dt_bias, softplus_beta, sof
     if retrieve_parent_token is not None:
         if retrieve_parent_token.dim() != 2 or retrieve_parent_token.shape[0] != N or \
                 retrieve_parent_token.shape[1] < T:
-            fail(f"`retrieve_parent_token` must be [N={N}, >={T}] (got {tuple(retrieve_parent_token.shape)}).")
+            raise ValueError(f"`retrieve_parent_token` must be [N={N}, >={T}] (got {tuple(retrieve_parent_token.shape)}).")
         parents = retrieve_parent_token[:, :T].contiguous()
     else:
         parents = (torch.arange(T, dtype=torch.int32, device=q.device) - 1).expand(N, T).contiguous()

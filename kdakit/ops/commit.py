@@ -229,17 +229,17 @@ def check_commit_ring(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, ac
                       track_steps, full_checks=None):
     lead = state.dim() - 4
     if lead not in (0, 1):
-        contracts.fail(f"`state` must be [slots, HV, V, K] or, for every layer at once, [layers, slots, HV, V, K] "
+        raise ValueError(f"`state` must be [slots, HV, V, K] or, for every layer at once, [layers, slots, HV, V, K] "
               f"(got shape {tuple(state.shape)}).")
     pool = state[0] if lead else state
     contracts.check_state_pool(pool, "state")
     if lead and state.stride(1) < pool.shape[1] * pool.shape[2] * pool.shape[3]:
-        contracts.fail("`state` slots overlap: slot stride < HV*V*K.")
+        raise ValueError("`state` slots overlap: slot stride < HV*V*K.")
     layers = tuple(state.shape[:lead])
     slots, HV, V, K = pool.shape
     contracts.check_head_dims(K, V)
     if ring_k.dim() != 4 + lead:
-        contracts.fail(f"`ring_k` must be {'[layers, ' if lead else '['}slots, H, L, K] (got shape {tuple(ring_k.shape)}).")
+        raise ValueError(f"`ring_k` must be {'[layers, ' if lead else '['}slots, H, L, K] (got shape {tuple(ring_k.shape)}).")
     H, L = ring_k.shape[lead + 1], ring_k.shape[lead + 2]
     want = {"ring_k": layers + (slots, H, L, K), "ring_v": layers + (slots, HV, L, V),
             "ring_g": layers + (slots, HV, L, K), "ring_beta": layers + (slots, HV, L)}
@@ -247,30 +247,30 @@ def check_commit_ring(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, ac
         inner_ok = t.stride(-1) == 1 and (t.dim() - lead == 3 and t.stride(-2) == L or t.dim() - lead == 4
                                           and t.stride(-2) == t.shape[-1] and t.stride(-3) == L * t.shape[-1])
         if tuple(t.shape) != shape or not inner_ok:
-            contracts.fail(f"`{name}` must be {shape} with contiguous [heads, L, ...] per slot (got {tuple(t.shape)}).")
+            raise ValueError(f"`{name}` must be {shape} with contiguous [heads, L, ...] per slot (got {tuple(t.shape)}).")
     if H == 0 or HV % H:
-        contracts.fail(f"value heads must be a multiple of key heads (got H={H}, HV={HV}).")
+        raise ValueError(f"value heads must be a multiple of key heads (got H={H}, HV={HV}).")
     N = slot_indices.shape[0] if slot_indices.dim() == 1 else -1
     for name, t in (("slot_indices", slot_indices), ("accept_lens", accept_lens)) + (
             (("track_slots", track_slots), ("track_steps", track_steps)) if track_slots is not None else ()):
         if t.dim() != 1 or t.shape[0] != N:
-            contracts.fail(f"`{name}` must be 1-D with one entry per request ({N}) (got shape {tuple(t.shape)}).")
+            raise ValueError(f"`{name}` must be 1-D with one entry per request ({N}) (got shape {tuple(t.shape)}).")
         contracts.check_index_dtype(name, t)
     if (track_slots is None) != (track_steps is None):
-        contracts.fail("tracking needs `track_slots` and `track_steps` together.")
+        raise ValueError("tracking needs `track_slots` and `track_steps` together.")
     if ring_g.dtype != torch.float32 or ring_beta.dtype != torch.float32:
-        contracts.fail(f"`ring_g` and `ring_beta` must be float32 (got {ring_g.dtype}, {ring_beta.dtype}).")
+        raise ValueError(f"`ring_g` and `ring_beta` must be float32 (got {ring_g.dtype}, {ring_beta.dtype}).")
     contracts.check_float_dtypes(ring_k=ring_k, ring_v=ring_v)
     contracts.check_same_device(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, accept_lens, track_slots,
                                 track_steps)
     if contracts.full_checks_enabled(full_checks):
         contracts.check_slot_values("slot_indices", slot_indices, slots, full_checks=True)
         if accept_lens.numel() and int(accept_lens.max()) > L:
-            contracts.fail(f"`accept_lens` holds {int(accept_lens.max())}, more steps than the rings hold (L={L}).")
+            raise ValueError(f"`accept_lens` holds {int(accept_lens.max())}, more steps than the rings hold (L={L}).")
         if track_slots is not None:
             tracked = track_slots[(track_slots >= 0) & (slot_indices >= 0)]
             if tracked.numel() and int(tracked.max()) >= slots:
-                contracts.fail(f"`track_slots` holds slot {int(tracked.max())}, out of range for a pool of {slots} "
+                raise ValueError(f"`track_slots` holds slot {int(tracked.max())}, out of range for a pool of {slots} "
                                "slots.")
 
 
@@ -401,7 +401,7 @@ def commit_snapshots(state, snapshots, slot_indices, scratch_indices, accepted_s
     for name, t in (("slot_indices", slot_indices), ("scratch_indices", scratch_indices),
                     ("accepted_steps", accepted_steps)):
         if t.dim() != 1 or t.shape[0] != N:
-            contracts.fail(f"`{name}` must be 1-D with one entry per request ({N}) (got shape {tuple(t.shape)}).")
+            raise ValueError(f"`{name}` must be 1-D with one entry per request ({N}) (got shape {tuple(t.shape)}).")
         contracts.check_index_dtype(name, t)
     tensors = [state, slot_indices, scratch_indices, accepted_steps]
     if snapshots is not None:
@@ -409,25 +409,25 @@ def commit_snapshots(state, snapshots, slot_indices, scratch_indices, accepted_s
         if (snapshots.dim() != 5 or tuple(snapshots.shape[2:]) != tuple(state.shape[1:])
                 or snapshots.stride(4) != 1 or snapshots.stride(3) != state.shape[3]
                 or snapshots.stride(2) != state.shape[2] * state.shape[3]):
-            contracts.fail(f"`snapshots` must be [scratch, L, {', '.join(map(str, state.shape[1:]))}] with contiguous "
+            raise ValueError(f"`snapshots` must be [scratch, L, {', '.join(map(str, state.shape[1:]))}] with contiguous "
                   f"inner dims (got {tuple(snapshots.shape)}).")
         tensors.append(snapshots)
     if (conv_states is None) != (intermediate_conv is None):
-        contracts.fail("conv windows need `conv_states` and `intermediate_conv` together.")
+        raise ValueError("conv windows need `conv_states` and `intermediate_conv` together.")
     for i, (pool, inter) in enumerate(zip(conv_states or (), intermediate_conv or ())):
         if pool.dim() != 3 or inter.dim() != 4 or tuple(inter.shape[2:]) != tuple(pool.shape[1:]):
-            contracts.fail(f"conv pool {i} must be [slots, C, W-1] and its intermediate [scratch, L, C, W-1] "
+            raise ValueError(f"conv pool {i} must be [slots, C, W-1] and its intermediate [scratch, L, C, W-1] "
                   f"(got {tuple(pool.shape)} and {tuple(inter.shape)}).")
         tensors += [pool, inter]
     if snapshots is None and conv_states is None:
-        contracts.fail("nothing to commit: pass `snapshots`, or `conv_states` with `intermediate_conv`.")
+        raise ValueError("nothing to commit: pass `snapshots`, or `conv_states` with `intermediate_conv`.")
     contracts.check_same_device(*tensors)
     if contracts.full_checks_enabled(full_checks):
         contracts.check_slot_values("slot_indices", slot_indices, state.shape[0], full_checks=True)
         steps = accepted_steps[slot_indices >= 0]
         L = (snapshots if snapshots is not None else intermediate_conv[0]).shape[1]
         if steps.numel() and int(steps.max()) >= L:
-            contracts.fail(f"`accepted_steps` holds {int(steps.max())}, past the {L} steps a scratch row holds.")
+            raise ValueError(f"`accepted_steps` holds {int(steps.max())}, past the {L} steps a scratch row holds.")
         num_slots, num_rows, _ = snapshot_commit_bounds(state, snapshots, conv_states, intermediate_conv)
         committed = (slot_indices >= 0) & (accepted_steps >= 0)
         contracts.check_slot_values("slot_indices", slot_indices[committed], num_slots, full_checks=True)

@@ -256,54 +256,54 @@ def check_mtp_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch
                      lower_bound, norm_gate, norm_weight, full_checks=None):
     """Shapes, layouts, dtypes and devices of a native verify call; raises before anything runs."""
     if q.dim() != 4:
-        contracts.fail(f"`q` must be [N, 1 + num_spec, H, K] (got shape {tuple(q.shape)}).")
+        raise ValueError(f"`q` must be [N, 1 + num_spec, H, K] (got shape {tuple(q.shape)}).")
     N, T, H, K = q.shape
     if v.dim() != 4 or v.shape[:2] != (N, T):
-        contracts.fail(f"`v` must be [N, T, HV, V] with N={N}, T={T} (got shape {tuple(v.shape)}).")
+        raise ValueError(f"`v` must be [N, T, HV, V] with N={N}, T={T} (got shape {tuple(v.shape)}).")
     HV, V = v.shape[2:]
     expected = {"q": (N, T, H, K), "k": (N, T, H, K), "a": (N, T, HV, K), "b": (N, T, HV), "out": (N, T, HV, V)}
     for name, t in (("q", q), ("k", k), ("a", a), ("b", b), ("out", out)):
         if tuple(t.shape) != expected[name]:
-            contracts.fail(f"`{name}` must have shape {expected[name]} (got {tuple(t.shape)}).")
+            raise ValueError(f"`{name}` must have shape {expected[name]} (got {tuple(t.shape)}).")
     for name, t in (("q", q), ("k", k), ("v", v), ("a", a), ("b", b), ("out", out)):
         if not t.is_contiguous():
-            contracts.fail(f"`{name}` must be contiguous (dense [N, T, ...] tokens).")
+            raise ValueError(f"`{name}` must be contiguous (dense [N, T, ...] tokens).")
     if H == 0 or HV % H != 0:
-        contracts.fail(f"value heads must be a multiple of key heads (got H={H}, HV={HV}).")
+        raise ValueError(f"value heads must be a multiple of key heads (got H={H}, HV={HV}).")
     contracts.check_state_pool(state, "state")
     if tuple(state.shape[1:]) != (HV, V, K):
-        contracts.fail(f"`state` must be [slots, HV={HV}, V={V}, K={K}] (got {tuple(state.shape)}).")
+        raise ValueError(f"`state` must be [slots, HV={HV}, V={V}, K={K}] (got {tuple(state.shape)}).")
     contracts.check_head_dims(K, V)
     if A_log.numel() != HV or dt_bias.numel() != HV * K:
-        contracts.fail(f"`A_log` must have {HV} elements and `dt_bias` {HV * K} (got {A_log.numel()}, {dt_bias.numel()}).")
+        raise ValueError(f"`A_log` must have {HV} elements and `dt_bias` {HV * K} (got {A_log.numel()}, {dt_bias.numel()}).")
     for name, t in (("slot_indices", slot_indices), ("scratch_indices", scratch_indices)):
         if tuple(t.shape) != (N,):
-            contracts.fail(f"`{name}` must have shape ({N},) (got {tuple(t.shape)}).")
+            raise ValueError(f"`{name}` must have shape ({N},) (got {tuple(t.shape)}).")
         contracts.check_index_dtype(name, t)
     contracts.check_float_dtypes(q=q, k=k, v=v, a=a, b=b, out=out, A_log=A_log, dt_bias=dt_bias)
     if k.dtype != q.dtype or v.dtype != q.dtype:
-        contracts.fail(f"`q`, `k`, `v` must share one dtype (got {q.dtype}, {k.dtype}, {v.dtype}).")
+        raise ValueError(f"`q`, `k`, `v` must share one dtype (got {q.dtype}, {k.dtype}, {v.dtype}).")
     contracts.check_lower_bound(lower_bound)
     tensors = [q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, out]
     if conv_weights is not None:
         if conv_states is None or intermediate_conv is None:
-            contracts.fail("the fused conv needs `conv_weights`, `conv_states` and `intermediate_conv` together.")
+            raise ValueError("the fused conv needs `conv_weights`, `conv_states` and `intermediate_conv` together.")
         channels = (H * K, H * K, HV * V)
         W = conv_weights[0].shape[-1]
         for i, name in enumerate("qkv"):
             w, cs, ic = conv_weights[i], conv_states[i], intermediate_conv[i]
             if tuple(w.shape) != (channels[i], W) or not w.is_contiguous() or w.dtype != torch.float32:
-                contracts.fail(f"conv weight `w_{name}` must be contiguous float32 [{channels[i]}, {W}] "
+                raise ValueError(f"conv weight `w_{name}` must be contiguous float32 [{channels[i]}, {W}] "
                       f"(got {tuple(w.shape)} {w.dtype}).")
             if cs.dim() != 3 or cs.shape[1:] != (channels[i], W - 1) or cs.shape[0] != state.shape[0]:
-                contracts.fail(f"conv state `cs_{name}` must be [slots={state.shape[0]}, {channels[i]}, {W - 1}] "
+                raise ValueError(f"conv state `cs_{name}` must be [slots={state.shape[0]}, {channels[i]}, {W - 1}] "
                       f"(got {tuple(cs.shape)}).")
             if (ic.dim() != 4 or ic.shape[1] < T or ic.shape[2:] != (channels[i], W - 1)
                     or ic.stride(3) != 1 or ic.stride(2) != W - 1):
-                contracts.fail(f"`intermediate_conv_{name}` must be [scratch, >={T}, {channels[i]}, {W - 1}] with "
+                raise ValueError(f"`intermediate_conv_{name}` must be [scratch, >={T}, {channels[i]}, {W - 1}] with "
                       f"contiguous inner dims (got {tuple(ic.shape)}).")
             if conv_bias is not None and tuple(conv_bias[i].shape) != (channels[i],):
-                contracts.fail(f"conv bias {i} must have shape ({channels[i]},) (got {tuple(conv_bias[i].shape)}).")
+                raise ValueError(f"conv bias {i} must have shape ({channels[i]},) (got {tuple(conv_bias[i].shape)}).")
             tensors += [w, cs, ic]
     if rings is not None:
         ring_k, ring_v, ring_g, ring_beta = rings
@@ -314,24 +314,24 @@ def check_mtp_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch
             if tuple(t.shape) != want[name] or L < T or t.stride(-1) != 1 or (
                     t.dim() == 4 and (t.stride(2) != t.shape[3] or t.stride(1) != L * t.shape[3])) or (
                     t.dim() == 3 and t.stride(1) != L):
-                contracts.fail(f"`{name}` must be {want[name]} with L >= {T} and contiguous [heads, L, ...] per slot "
+                raise ValueError(f"`{name}` must be {want[name]} with L >= {T} and contiguous [heads, L, ...] per slot "
                       f"(got {tuple(t.shape)}).")
         tensors += list(rings)
     elif snapshots is not None:
         if (snapshots.dim() != 5 or snapshots.shape[1] < T or tuple(snapshots.shape[2:]) != (HV, V, K)
                 or snapshots.stride(4) != 1 or snapshots.stride(3) != K or snapshots.stride(2) != V * K):
-            contracts.fail(f"`snapshots` must be [scratch, >={T}, HV={HV}, V={V}, K={K}] with contiguous inner dims "
+            raise ValueError(f"`snapshots` must be [scratch, >={T}, HV={HV}, V={V}, K={K}] with contiguous inner dims "
                   f"(got {tuple(snapshots.shape)}).")
         if snapshots.dtype not in contracts.STATE_DTYPES:
-            contracts.fail(f"`snapshots` must be float32, bfloat16 or float16 (got {snapshots.dtype}).")
+            raise ValueError(f"`snapshots` must be float32, bfloat16 or float16 (got {snapshots.dtype}).")
         tensors.append(snapshots)
     if (norm_gate is None) != (norm_weight is None):
-        contracts.fail("the fused output norm needs `norm_gate` and `norm_weight` together.")
+        raise ValueError("the fused output norm needs `norm_gate` and `norm_weight` together.")
     if norm_weight is not None:
         if tuple(norm_gate.shape) != (N, T, HV, V) or not norm_gate.is_contiguous():
-            contracts.fail(f"`norm_gate` must be contiguous {(N, T, HV, V)} (got {tuple(norm_gate.shape)}).")
+            raise ValueError(f"`norm_gate` must be contiguous {(N, T, HV, V)} (got {tuple(norm_gate.shape)}).")
         if tuple(norm_weight.shape) != (V,):
-            contracts.fail(f"`norm_weight` must have shape ({V},) (got {tuple(norm_weight.shape)}).")
+            raise ValueError(f"`norm_weight` must have shape ({V},) (got {tuple(norm_weight.shape)}).")
         tensors += [norm_gate, norm_weight]
     contracts.check_same_device(*tensors)
     if contracts.full_checks_enabled(full_checks):

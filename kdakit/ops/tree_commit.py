@@ -126,10 +126,10 @@ def commit_tree_ring(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, pat
     check_commit_ring(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, accept_lens, None, None,
                       full_checks=False)
     if state.dim() != 4:
-        contracts.fail(f"`state` must be [slots, HV, V, K] (got shape {tuple(state.shape)}).")
+        raise ValueError(f"`state` must be [slots, HV, V, K] (got shape {tuple(state.shape)}).")
     N = slot_indices.shape[0]
     if paths.dim() != 2 or paths.shape[0] != N or paths.stride(1) != 1:
-        contracts.fail(f"`paths` must be [N={N}, P] node ids, contiguous in the last dim "
+        raise ValueError(f"`paths` must be [N={N}, P] node ids, contiguous in the last dim "
                        f"(got shape {tuple(paths.shape)}).")
     contracts.check_index_dtype("paths", paths)
     contracts.check_same_device(state, paths)
@@ -141,10 +141,10 @@ def commit_tree_ring(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, pat
             if int(slot_indices[n]) < 0 or steps <= 0:
                 continue
             if steps > paths.shape[1]:
-                contracts.fail(f"`accept_lens` holds {steps} for request {n}, longer than its path ({paths.shape[1]}).")
+                raise ValueError(f"`accept_lens` holds {steps} for request {n}, longer than its path ({paths.shape[1]}).")
             nodes = paths[n, :steps]
             if bool(((nodes < 0) | (nodes >= L)).any()):
-                contracts.fail(f"`paths` holds node ids {nodes.tolist()} for request {n}, outside the rings (L={L}).")
+                raise ValueError(f"`paths` holds node ids {nodes.tolist()} for request {n}, outside the rings (L={L}).")
     commit_tree_ring_op(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, paths, accept_lens, use_qk_l2norm,
                         null_block_id, backend)
 

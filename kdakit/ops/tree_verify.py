@@ -254,7 +254,7 @@ def check_tree_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratc
                       norm_weight, rings=None, full_checks=None):
     """The chain verify's checks, then ``parents``; raises before anything runs."""
     if (snapshots is None) == (rings is None):
-        contracts.fail("a tree verify needs `snapshots` ([scratch, >=T, HV, V, K]: every node's post-state, which "
+        raise ValueError("a tree verify needs `snapshots` ([scratch, >=T, HV, V, K]: every node's post-state, which "
                        "commit_snapshots of the accepted node copies) or `rings` (ring mode, commit_tree_ring), "
                        f"exactly one of them (got {'neither' if snapshots is None else 'both'}).")
     check_mtp_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, out,
@@ -263,7 +263,7 @@ def check_tree_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratc
                      norm_gate=norm_gate, norm_weight=norm_weight, full_checks=full_checks)
     N, T = q.shape[:2]
     if parents.dim() != 2 or tuple(parents.shape) != (N, T) or not parents.is_contiguous():
-        contracts.fail(f"`parents` must be a contiguous [N, T] = {(N, T)} tensor of parent node ids "
+        raise ValueError(f"`parents` must be a contiguous [N, T] = {(N, T)} tensor of parent node ids "
                        f"(got shape {tuple(parents.shape)}).")
     contracts.check_index_dtype("parents", parents)
     contracts.check_same_device(q, parents)
@@ -275,7 +275,7 @@ def check_tree_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratc
         if bool(bad.any()):
             n, i = (int(x) for x in torch.nonzero(bad)[0])
             n = int(torch.nonzero(live).flatten()[n])
-            contracts.fail(f"`parents` holds an invalid parent {int(parents[n, i + 1])} for node {i + 1} of request "
+            raise ValueError(f"`parents` holds an invalid parent {int(parents[n, i + 1])} for node {i + 1} of request "
                            f"{n}: a node's parent must be -1 (the committed state) or an earlier node (0 <= p < t).")
 
 
