@@ -23,12 +23,11 @@ Reports ms, tokens/s and TFLOP/s (nominal: the chunk-64 WY flops per token and h
 same run. JSON to benchmarks/results/ (or $OUT) via harness.save.
 
 ``--quick``: 2k and 8 x 2k at H = 32, both gates; only the checks at H = 32. ``--sweep``: also kdakit's alternative
-launch configs (chunk 32 / 64, V tile 32 / 64, TF32 vs three-pass TF32).
+launch configs (SWEEP below); ``--configs 'field=value,...;...'``: the given ones instead.
 """
 from __future__ import annotations
 
 import argparse
-from dataclasses import replace
 import sys
 import time
 
@@ -192,7 +191,16 @@ def correctness(results, quick=False):
     return all(c["ok"] for c in checks)
 
 
-def timings(results, names, sweep):
+# --sweep: ChunkConfig fields changed from the picked config (harness.parse_configs syntax)
+SWEEP = ("block_v=16,state_warps=4;block_v=32,state_warps=4;block_v=64,state_warps=8;"
+         "block_v=16,pipeline_stages=1;block_v=32,pipeline_stages=2;"
+         "chunk=32,block_v=32;chunk=32,block_v=64;split_prep=true;split_prep=true,prep_warps=8;"
+         "prep_warps=8;slice_k=64;slice_k=16;dot_precision=tf32x3;")
+SWEEP_FEW_CHAINS = "chain_pieces=4;chain_pieces=8;chain_pieces=16;"  # few (sequence, head) chains to cut
+SWEEP_SAFE = "factor_safe_gate=false;"
+
+
+def timings(results, names, sweep, configs=None):
     for name in names:
         lens, H = CASES[name]
         HV = H
@@ -202,24 +210,14 @@ def timings(results, names, sweep):
             layers = [make_layer(lens, H, HV, K, V, seed=i) for i in range(2)]
             base = {"case": name, "T": T, "N": len(lens), "H": H, "HV": HV, "gate": "safe" if lb else "softplus"}
             variants = [("kdakit", lambda layer: kdakit_call(layer, lb))]
-            if sweep:
-                sweep_cfgs = [ChunkConfig(chunk=64, block_v=bv, state_warps=w) for bv in (16, 32, 64) for w in (4, 8)]
-                sweep_cfgs += [ChunkConfig(chunk=64, block_v=bv, pipeline_stages=st) for bv in (16, 32, 64) for st in (1, 3)]
-                sweep_cfgs += [ChunkConfig(chunk=32, block_v=bv, prep_warps=4) for bv in (32, 64)]
-                sweep_cfgs += [replace(chunk_config(len(lens), HV, K, V), split_prep=True, prep_warps=w) for w in (4, 8)]
-                if len(lens) * HV <= 64:  # few (sequence, head) chains: cut each into pieces
-                    sweep_cfgs += [replace(chunk_config(len(lens), HV, K, V), chain_pieces=p) for p in (4, 8, 16)]
-                sweep_cfgs += [ChunkConfig(chunk=64, block_v=32, prep_warps=4),
-                               ChunkConfig(chunk=64, block_v=32, dot_precision="tf32x3"),
-                               ChunkConfig(chunk=64, block_v=64, dot_precision="tf32x3")]
-                if lb is not None:
-                    sweep_cfgs.append(ChunkConfig(chunk=64, block_v=32, factor_safe_gate=False))
-                for cfg in sweep_cfgs:
-                    variants.append((f"kdakit-c{cfg.chunk}-bv{cfg.block_v}-pw{cfg.prep_warps}-sw{cfg.state_warps}"
-                                     f"-{cfg.dot_precision}-st{cfg.pipeline_stages}"
-                                     f"{'' if cfg.factor_safe_gate else '-exactdiag'}{'-split' if cfg.split_prep else ''}"
-                                     f"{f'-pieces{cfg.chain_pieces}' if cfg.chain_pieces > 1 else ''}",
-                                     lambda layer, cfg=cfg: kdakit_call(layer, lb, cfg)))
+            picked = chunk_config(len(lens), HV, K, V)
+            text = configs if configs else (SWEEP + (SWEEP_FEW_CHAINS if len(lens) * HV <= 64 else "")
+                                            + (SWEEP_SAFE if lb is not None else "")) if sweep else None
+            for cfg in dict.fromkeys(harness.parse_configs(text, ChunkConfig, base=picked)):  # no repeats
+                if cfg == picked:
+                    continue
+                variants.append((f"kdakit[{harness.config_name(cfg, picked)}]",
+                                 lambda layer, cfg=cfg: kdakit_call(layer, lb, cfg)))
             variants.append(("fla", lambda layer: fla_call(layer, lb)))
             variants.append(("fla-plain", lambda layer: fla_call(layer, lb, use_graph=False)))
             fla_ok = False
@@ -252,6 +250,8 @@ def main():
     parser.add_argument("--cases", help="comma-separated case names: " + ",".join(CASES))
     parser.add_argument("--name", default="chunk_prefill_h200")
     parser.add_argument("--skip-checks", action="store_true")
+    parser.add_argument("--configs", help="ChunkConfig variants to time besides the picked one, as "
+                        "'field=value,...;field=value' (fields not named keep the picked config's)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
@@ -261,7 +261,7 @@ def main():
     ok = True if args.skip_checks else correctness(results, quick=args.quick)
     results["checks_ok"] = ok
     names = args.cases.split(",") if args.cases else (QUICK if args.quick else tuple(CASES))
-    timings(results, names, args.sweep)
+    timings(results, names, args.sweep, args.configs)
     harness.close_results(results)
     results["wall_s"] = round(time.time() - t0, 1)
     path = harness.save(results, args.name + ("_quick" if args.quick else ""), harness.results_folder(__file__))

@@ -1,6 +1,6 @@
 """Per-kernel GPU times of kdakit.chunk_prefill and fla's chunk_kda (torch.profiler).
 
-    python benchmarks/profile_chunk_prefill.py [--cases 2k,8x2k] [--fla]
+    python benchmarks/profile_chunk_prefill.py [--cases 2k,8x2k] [--fla] [--safe] [--configs 'field=value,...;...']
 
 For each case and launch config: the mean GPU µs of every kernel a call launches, over
 ``reps`` eager calls after warm-up. Where the time goes decides what to tune.
@@ -11,7 +11,6 @@ import argparse
 import os
 import sys
 from collections import defaultdict
-from dataclasses import replace
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -19,7 +18,13 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_chunk_prefill import fla_call, kdakit_call, make_layer  # noqa: E402
 
-from kdakit.ops.chunk_prefill import chunk_config  # noqa: E402
+from kdakit.bench import harness  # noqa: E402
+from kdakit.ops.chunk_prefill import ChunkConfig, chunk_config  # noqa: E402
+
+# ChunkConfig fields changed from the picked config (harness.parse_configs syntax)
+DEFAULT_CONFIGS = ("dot_precision=tf32x3;prep_warps=8;split_prep=true;"
+                   + ";".join(f"block_v={bv},pipeline_stages={st}" for bv in (16, 32, 64) for st in (1, 2, 3))
+                   + ";block_v=32,pipeline_stages=2,state_warps=4")
 
 CASES = {"2k": [2048], "8x2k": [2048] * 8, "8k": [8192], "64x512": [512] * 64}
 
@@ -51,24 +56,24 @@ def main():
     ap.add_argument("--cases", default="2k,8x2k")
     ap.add_argument("--fla", action="store_true")
     ap.add_argument("--H", type=int, default=32)
+    ap.add_argument("--safe", action="store_true", help="the safe gate (lower_bound -5)")
+    ap.add_argument("--configs", default=DEFAULT_CONFIGS)
     args = ap.parse_args()
+    lb = -5.0 if args.safe else None
     for case in args.cases.split(","):
         L = make_layer(CASES[case], args.H, args.H, 128, 128)
         N = len(CASES[case])
         base = chunk_config(N, args.H, 128, 128)
-        variants = {"default": base, "tf32x3": replace(base, dot_precision="tf32x3"),
-                    "prep8w": replace(base, prep_warps=8)}
-        for bv in (16, 32, 64):
-            for stages in (1, 2, 3):
-                variants[f"bv{bv}-st{stages}"] = replace(base, block_v=bv, pipeline_stages=stages)
-        variants["bv32-st2-4w"] = replace(base, block_v=32, pipeline_stages=2, state_warps=4)
+        variants = {"picked": base}
+        for cfg in harness.parse_configs(args.configs, ChunkConfig, base=base):
+            variants.setdefault(harness.config_name(cfg, base), cfg)
         for vname, cfg in variants.items():
             try:
-                show(f"{case} H={args.H} kdakit {vname} {cfg}", kernel_times(kdakit_call(L, None, cfg)))
+                show(f"{case} H={args.H} kdakit {vname} {cfg}", kernel_times(kdakit_call(L, lb, cfg)))
             except Exception as exc:  # noqa: BLE001
                 print(f"{case} {vname} failed: {exc!r}"[:300], flush=True)
         if args.fla:
-            show(f"{case} H={args.H} fla (gather/scatter)", kernel_times(fla_call(L, None)))
+            show(f"{case} H={args.H} fla (gather/scatter)", kernel_times(fla_call(L, lb)))
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ ceiling measured in the same run.
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import math
@@ -142,6 +143,45 @@ def save(result: dict, name: str, folder: str | None = None) -> str:
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
     return path
+
+
+def parse_configs(text: str | None, config_type, base=None) -> list:
+    """Launch configs from the command line, in one syntax for every benchmark: the
+    dataclass's own fields, ``field=value`` pairs joined by ``,``, configs joined by ``;``
+    (``"block_v=16,state_warps=4;block_v=32"``). Fields not named keep ``base``'s value
+    (the op's picked config, when the caller passes it) or the dataclass default."""
+    if not text:
+        return []
+    fields = {f.name: f for f in dataclasses.fields(config_type)}
+    configs = []
+    for group in (g.strip() for g in text.split(";")):
+        if not group:
+            continue
+        values = {}
+        for pair in (p.strip() for p in group.split(",") if p.strip()):
+            name, sep, raw = pair.partition("=")
+            name = name.strip()
+            if not sep or name not in fields:
+                raise ValueError(f"config {group!r}: {pair!r} is not field=value with a field of "
+                                 f"{config_type.__name__} ({', '.join(fields)}).")
+            kind = type(getattr(base, name)) if base is not None else type(fields[name].default)
+            raw = raw.strip()
+            if kind is bool:
+                if raw.lower() not in ("1", "0", "true", "false"):
+                    raise ValueError(f"config {group!r}: {name} takes true or false, not {raw!r}.")
+                values[name] = raw.lower() in ("1", "true")
+            else:
+                values[name] = kind(raw) if kind in (int, float) else raw
+        configs.append(dataclasses.replace(base, **values) if base is not None else config_type(**values))
+    return configs
+
+
+def config_name(config, base=None) -> str:
+    """A config's row name: the fields that differ from ``base`` (all of them without one)."""
+    ref = base if base is not None else None
+    parts = [f"{f.name}={getattr(config, f.name)}" for f in dataclasses.fields(config)
+             if ref is None or getattr(config, f.name) != getattr(ref, f.name)]
+    return ",".join(parts) or "picked"
 
 
 def print_table(rows: list[dict], columns: list[str]) -> None:
