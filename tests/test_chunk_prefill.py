@@ -147,8 +147,8 @@ def test_public_entry_default_chunk_and_fla_naive_oracle():
 def test_steep_gate_stays_finite_and_accurate(lower_bound):
     """Softplus gate: log-decay about -20 a token in some channels over a few hundred tokens
     (forming exp(-Γ) over a chunk would overflow: e^1280); every exponent formed is <= 0.
-    Safe gate at its bound (g ~ -5 in those channels): the in-sub-block factoring reaches
-    e^80 and e^-80, both float32 normals."""
+    Safe gate at its bound (g ~ -5 in those channels): sub-blocks whose spread passes
+    ``factor_spread_max`` take exact decays, the others one factored product."""
     H, HV, K, V = 1, 1, 16, 16
     seqlens = [260, 45]
     x, A_log, dt_bias, cu, state, T = make_case(H, HV, K, V, seqlens, seed=3, steep=True)
@@ -163,6 +163,28 @@ def test_steep_gate_stays_finite_and_accurate(lower_bound):
     ERRORS[f"steep gate {lower_bound} chunk64"] = rel_err(out, ref_out)
     assert_close(out, ref_out, 1e-5, "out")
     for s in (1, 2):
+        assert_close(state[s], ref_pool[s], 1e-5, f"slot {s}")
+
+
+@pytest.mark.parametrize("spread_max", [-1.0, 60.0], ids=["exact-everywhere", "factored-where-bounded"])
+def test_in_sub_block_factoring_per_sub_block(spread_max):
+    """Steep and mild sub-blocks in one chunk: a quarter of the channels decay by 20 a token
+    over tokens 20..51 only (spread ~320 in those sub-blocks: exact decays), the rest mildly
+    (spread <= 32: one factored product), so both paths of the in-sub-block pairs run side by
+    side; ``factor_spread_max = -1`` takes exact decays everywhere. Both match float64."""
+    H, HV, K, V = 1, 2, 16, 16
+    seqlens = [100, 40]
+    x, A_log, dt_bias, cu, state, T = make_case(H, HV, K, V, seqlens, seed=21, raw_gate=False)
+    x["g"][0, 20:52, :, : K // 4] = -20.0
+    idx = torch.tensor([3, 0], dtype=torch.int32)
+    ref_out, ref_pool, _ = ref64(x, None, None, cu, state, idx)
+    out = torch.full((1, T, HV, V), POISON)
+    run_triton(x, None, None, cu, state, idx, out,
+               ChunkConfig(chunk=64, block_v=16, dot_precision="ieee", factor_spread_max=spread_max))
+    assert torch.isfinite(out).all() and torch.isfinite(state).all()
+    ERRORS[f"steep and mild sub-blocks, spread max {spread_max}"] = rel_err(out, ref_out)
+    assert_close(out, ref_out, 1e-5, "out")
+    for s in (3, 0):
         assert_close(state[s], ref_pool[s], 1e-5, f"slot {s}")
 
 

@@ -22,16 +22,18 @@ and queries:
 - state chain: ``U = u - w S0ᵀ``; ``o = (q̂ ⊙ e^Γ) S0ᵀ + P U``;
   ``S = S0 diag(e^Γ_C) + Uᵀ (k̂ ⊙ e^(Γ_C - Γ))``.
 
-Every exponent that is formed is <= 0 (but see the safe gate below), so nothing overflows whatever the gate (the
-default gate's log-decay is unbounded below): the pair sums ``A`` and ``P`` are never
-factored as ``(k̂ e^Γ)(k̂ e^-Γ)`` over a chunk. The chunk is cut into sub-blocks of 16
-tokens; a pair in two different sub-blocks is factored at the boundary before the later
-sub-block, ``e^(Γ_s - Γ_b) · e^(Γ_b - Γ_r)`` (both factors <= 1, one 16 x 16 tensor-core
-product per pair of sub-blocks), and a pair inside one sub-block takes its exact decay
-``e^(Γ_s - Γ_r)`` element by element (no product, no factoring). Under the safe gate
-(``|g| < 5``, so ``|Γ_s - Γ_r| < 80`` inside a sub-block, ``e^80`` a float32 normal) the
-in-sub-block pairs are factored too, as one more 16 x 16 product
-(``ChunkConfig.factor_safe_gate``); that is the one place an exponent is positive.
+Nothing overflows whatever the gate (the default gate's log-decay is unbounded below): the
+pair sums ``A`` and ``P`` are never factored as ``(k̂ e^Γ)(k̂ e^-Γ)`` over a chunk. The chunk
+is cut into sub-blocks of 16 tokens. A pair in two different sub-blocks is factored at the
+last token ``b`` before the later sub-block, ``e^(Γ_s - Γ_b) · e^(Γ_b - Γ_r)`` (both factors
+<= 1; one tensor-core product per column block). A pair inside one sub-block is factored at
+the token ``b`` before the sub-block, with ``e^(Γ_b - Γ_r) <= e^spread`` (the sub-block's
+log-decay spread, per channel), when that spread is at most
+``ChunkConfig.factor_spread_max`` (60: ``e^60`` is far inside float32): one 16 x 16 product,
+the only place an exponent is positive. A steeper sub-block takes each pair's exact decay
+``e^(Γ_s - Γ_r)`` element by element (no product). The choice is made per sub-block on the
+device, from the decays: under the safe gate (``|g| < |lower_bound|``) nearly every
+sub-block is factored, under the default gate any sub-block can be steep.
 
 The kernels:
 1. ``_chunk_prep_kernel``, one program per (chunk, value head), token-parallel: L2 norm,
@@ -97,7 +99,9 @@ class ChunkConfig:
     state_warps: int = 8
     dot_precision: str = "tf32"      # "tf32", "tf32x3" or "ieee"
     pipeline_stages: int = 2         # state kernel: chunks whose factors are in flight at once (1: none ahead)
-    factor_safe_gate: bool = True    # safe gate: in-sub-block pairs factored too (|Γ| <= 16·5 = 80 there)
+    factor_spread_max: float = 60.0  # a sub-block's in-block pairs are one product where its log-decay
+    #                                  spread is at most this (e^60 is far inside float32); steeper: exact
+    factor_safe_gate: bool = True    # False: under the safe gate, exact in-sub-block decays everywhere
     chain_pieces: int = 1            # the state chain of each sequence cut into this many pieces (> 1: three
     #                                  launches; fills the GPU for one long sequence with few heads)
     split_prep: bool = False         # the prep as three launches (token-parallel; exact in-sub-block
@@ -141,11 +145,11 @@ def _chunk_prep_kernel(
     num_seqs, T,
     stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_g_t, stride_g_h,
     stride_b_t, stride_b_h,
-    scale, lower_bound,
+    scale, lower_bound, diag_spread_max,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, C: tl.constexpr, SLICE: tl.constexpr,
     USE_QK_L2NORM: tl.constexpr, GATE_IN_KERNEL: tl.constexpr, SAFE_GATE: tl.constexpr,
-    BETA_MODE: tl.constexpr, DOT_PRECISION: tl.constexpr, FACTOR_DIAG: tl.constexpr,
+    BETA_MODE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PHASES: tl.constexpr, SUB_BLOCK_PROGRAMS: tl.constexpr,
 ):
     # Every phase reads what it needs back from the (L2-resident) workspace in 16-row or
@@ -221,65 +225,80 @@ def _chunk_prep_kernel(
     tl.debug_barrier()
 
     # ---- A (β-scaled, strictly lower) and P (lower) ----
-    # Pairs inside a 16-token sub-block: exact decays, element-wise, a column at a time (the
-    # default gate is unbounded: no factoring there). Pairs with an earlier sub-block j, one
-    # column block at a time over all the rows below it: factored at the last token b of
-    # sub-block j, e^(Γ_s - Γ_b) · e^(Γ_b - Γ_r), both <= 1 (a [C, K] x [K, 16] product: the
-    # rows split over the warps; 16-row products would copy their left operand into every warp).
+    # Pairs inside a 16-token sub-block. Where the sub-block's log-decay spread (over its 16
+    # tokens, per channel, from the token before it) is at most ``diag_spread_max``, one
+    # product factored at the token before it: e^(Γ_s - Γ_b) <= 1 times e^(Γ_b - Γ_r) <=
+    # e^spread, far inside float32. Steeper sub-blocks (the default gate is unbounded) take
+    # exact decays, element-wise, a column at a time on [16, SLICE] pieces (one layout: a
+    # [16, 16, K] broadcast would move data through shared memory; whole [16, K] rows would
+    # hold registers that the factored path's products need).
     offs_s = tl.arange(0, 16)
+    tri_a = offs_s[:, None] > offs_s[None, :]
+    tri_p = offs_s[:, None] >= offs_s[None, :]
     if PHASES & 2:
-        if not FACTOR_DIAG:
-            for i in range(NB):  # a loop, not unrolled: unrolled sub-blocks keep each other's tiles live
-                if SUB_BLOCK_PROGRAMS:
-                    run = i == tl.program_id(2)
+        for i in range(NB):  # a loop, not unrolled: unrolled sub-blocks keep each other's tiles live
+            if SUB_BLOCK_PROGRAMS:
+                run = i == tl.program_id(2)
+            else:
+                run = i >= 0
+            if run:
+                rows = i * 16 + offs_s
+                beta_i = _beta_values(beta, t0 + rows, rows < n_tok, stride_b_t, stride_b_h, i_hv, BETA_MODE)
+                ref = i * 16 - 1  # the token before the sub-block (Γ = 0 before the chunk)
+                has_ref = (offs_k * 0 + ref) >= 0
+                spread = tl.max(tl.load(ww + ref * BLOCK_K + offs_k, mask=has_ref, other=0.0)
+                                - tl.load(ww + (i * 16 + 15) * BLOCK_K + offs_k), axis=0)
+                p_blk = rows[:, None] * C + i * 16 + offs_s[None, :]
+                if spread <= diag_spread_max:
+                    acc_a = tl.zeros([16, 16], dtype=tl.float32)
+                    acc_p = tl.zeros([16, 16], dtype=tl.float32)
+                    for kk in tl.static_range(0, BLOCK_K, SLICE):
+                        G_ref = tl.load(ww + ref * BLOCK_K + kk + offs_n, mask=(offs_n * 0 + ref) >= 0, other=0.0)
+                        p_ik = rows[:, None] * BLOCK_K + kk + offs_n[None, :]
+                        d = tl.load(ww + p_ik) - G_ref[None, :]  # <= 0
+                        k_s = tl.load(wk + p_ik)
+                        left = tl.exp(d)
+                        right = tl.trans(k_s * tl.exp(-d))
+                        acc_a = tl.dot(k_s * left, right, acc_a, input_precision=DOT_PRECISION)
+                        acc_p = tl.dot(tl.load(wq + p_ik) * left, right, acc_p, input_precision=DOT_PRECISION)
+                    tl.store(wa + p_blk, tl.where(tri_a, acc_a * beta_i[:, None], 0.0))
+                    tl.store(wp + p_blk, tl.where(tri_p, acc_p, 0.0))
                 else:
-                    run = i >= 0
-                if run:
-                    rows = i * 16 + offs_s
-                    beta_i = _beta_values(beta, t0 + rows, rows < n_tok, stride_b_t, stride_b_h, i_hv, BETA_MODE)
-                    # One column r of the block per step, all rows s at once: [16, K] tiles in
-                    # one layout (a [16, 16, K] broadcast would move data through shared memory).
-                    p_rk = rows[:, None] * BLOCK_K + offs_k[None, :]
-                    k_i = tl.load(wk + p_rk)
-                    q_i = tl.load(wq + p_rk)
-                    G_i = tl.load(ww + p_rk)
                     for r in range(16):
-                        k_r = tl.load(wk + (i * 16 + r) * BLOCK_K + offs_k)
-                        G_r = tl.load(ww + (i * 16 + r) * BLOCK_K + offs_k)
-                        d = tl.where((offs_s >= r)[:, None], G_i - G_r[None, :], float("-inf"))
-                        kr = k_r[None, :] * tl.exp(d)
-                        a_col = tl.sum(k_i * kr, axis=1) * beta_i
-                        p_col = tl.sum(q_i * kr, axis=1)
-                        tl.store(wa + rows * C + i * 16 + r, tl.where(offs_s > r, a_col, 0.0))
+                        a_col = tl.zeros([16], dtype=tl.float32)
+                        p_col = tl.zeros([16], dtype=tl.float32)
+                        for kk in tl.static_range(0, BLOCK_K, SLICE):
+                            p_ik = rows[:, None] * BLOCK_K + kk + offs_n[None, :]
+                            k_r = tl.load(wk + (i * 16 + r) * BLOCK_K + kk + offs_n)
+                            G_r = tl.load(ww + (i * 16 + r) * BLOCK_K + kk + offs_n)
+                            d = tl.where((offs_s >= r)[:, None], tl.load(ww + p_ik) - G_r[None, :], float("-inf"))
+                            kr = k_r[None, :] * tl.exp(d)
+                            a_col += tl.sum(tl.load(wk + p_ik) * kr, axis=1)
+                            p_col += tl.sum(tl.load(wq + p_ik) * kr, axis=1)
+                        tl.store(wa + rows * C + i * 16 + r, tl.where(offs_s > r, a_col * beta_i, 0.0))
                         tl.store(wp + rows * C + i * 16 + r, p_col)
     b_beta = _beta_values(beta, tok, mask_c, stride_b_t, stride_b_h, i_hv, BETA_MODE)
     if PHASES & 4:
-        # Under the safe gate (|Γ_s - Γ_r| < 80 inside a sub-block) column block j takes its own
-        # rows too, factored at the token before it (one positive exponent, bounded by e^80).
-        for j in range(NB if FACTOR_DIAG else NB - 1):
-            if FACTOR_DIAG:
-                ref = j * 16 - 1
-                first = j * 16
-            else:
-                ref = j * 16 + 15
-                first = j * 16 + 16
-            below = offs_c >= first
+        # Pairs with an earlier sub-block j, one column block at a time over all the rows below
+        # it: factored at the last token b of sub-block j, e^(Γ_s - Γ_b) · e^(Γ_b - Γ_r), both
+        # <= 1 (a [C, K] x [K, 16] product: the rows split over the warps; 16-row products
+        # would copy their left operand into every warp).
+        for j in range(NB - 1):
+            ref = j * 16 + 15
+            below = offs_c >= j * 16 + 16
             acc_a = tl.zeros([C, 16], dtype=tl.float32)
             acc_p = tl.zeros([C, 16], dtype=tl.float32)
             for kk in tl.static_range(0, BLOCK_K, SLICE):
-                G_ref = tl.load(ww + ref * BLOCK_K + kk + offs_n, mask=(offs_n * 0 + ref) >= 0, other=0.0)
+                G_ref = tl.load(ww + ref * BLOCK_K + kk + offs_n)
                 p_sl = offs_c[:, None] * BLOCK_K + kk + offs_n[None, :]
                 left = tl.exp(tl.where(below[:, None], tl.load(ww + p_sl) - G_ref[None, :], float("-inf")))
                 p_jk = (j * 16 + offs_s)[:, None] * BLOCK_K + kk + offs_n[None, :]
                 right = tl.trans(tl.load(wk + p_jk) * tl.exp(G_ref[None, :] - tl.load(ww + p_jk)))  # [SLICE, 16]
                 acc_a = tl.dot(tl.load(wk + p_sl) * left, right, acc_a, input_precision=DOT_PRECISION)
                 acc_p = tl.dot(tl.load(wq + p_sl) * left, right, acc_p, input_precision=DOT_PRECISION)
-            col = j * 16 + offs_s
-            keep_a = below[:, None] & (offs_c[:, None] > col[None, :])  # strictly lower (its own block: safe gate)
-            keep_p = below[:, None] & (offs_c[:, None] >= col[None, :])
-            p_col = offs_c[:, None] * C + col[None, :]
-            tl.store(wa + p_col, tl.where(keep_a, acc_a * b_beta[:, None], 0.0), mask=below[:, None])
-            tl.store(wp + p_col, tl.where(keep_p, acc_p, 0.0), mask=below[:, None])
+            p_col = offs_c[:, None] * C + j * 16 + offs_s[None, :]
+            tl.store(wa + p_col, acc_a * b_beta[:, None], mask=below[:, None])
+            tl.store(wp + p_col, acc_p, mask=below[:, None])
     tl.debug_barrier()
 
     if PHASES & 4:
@@ -583,19 +602,17 @@ def chunk_prefill_triton(q, k, v, g, beta, state, slot_indices, out, *, cu_seqle
     ws_a = torch.empty(rows, C, dtype=torch.float32, device=dev)
     ws_g = torch.empty(max_chunks * HV, BK, dtype=torch.float32, device=dev)
     gate = A_log is not None
-    factor_diag = lower_bound is not None and cfg.factor_safe_gate
+    spread_max = cfg.factor_spread_max if lower_bound is None or cfg.factor_safe_gate else -1.0
     prep_args = (q, k, v, g, beta, A_log if gate else q, dt_bias if gate else q, cu_seqlens, first, seq,
                  ws_q, ws_k, ws_w, ws_u, ws_p, ws_a, ws_g, N, T,
                  q.stride(1), q.stride(2), k.stride(1), k.stride(2), v.stride(1), v.stride(2), g.stride(1),
                  g.stride(2), beta.stride(1), beta.stride(2),
-                 float(scale), float(lower_bound) if lower_bound is not None else 0.0)
+                 float(scale), float(lower_bound) if lower_bound is not None else 0.0, float(spread_max))
     prep_constexprs = dict(H=H, HV=HV, K=K, V=V, BLOCK_K=BK, BLOCK_V=BVW, C=C, SLICE=min(cfg.slice_k, BK, BVW),
                            USE_QK_L2NORM=bool(use_qk_l2norm), GATE_IN_KERNEL=gate, SAFE_GATE=lower_bound is not None,
-                           BETA_MODE=int(beta_mode), DOT_PRECISION=cfg.dot_precision, FACTOR_DIAG=factor_diag)
+                           BETA_MODE=int(beta_mode), DOT_PRECISION=cfg.dot_precision)
     if cfg.split_prep:
-        launches = [((max_chunks, HV), 1, False), ((max_chunks, HV), 4, False)]
-        if not factor_diag:
-            launches.insert(1, ((max_chunks, HV, C // SUB), 2, True))
+        launches = [((max_chunks, HV), 1, False), ((max_chunks, HV, C // SUB), 2, True), ((max_chunks, HV), 4, False)]
     else:
         launches = [((max_chunks, HV), 7, False)]
     for grid, phases, per_sub_block in launches:
