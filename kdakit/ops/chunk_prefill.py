@@ -127,8 +127,9 @@ def chunk_config(N: int, HV: int, K: int, V: int, chunk: int = CHUNK_SIZE) -> Ch
     block_v = min(block_v, bv_max, 32 if wide else 64)
     # Two chunks in flight only for the narrowest V tile (wider ones exceed the shared memory);
     # 4 warps there, 8 for the widest (docs/tuning.md).
+    # The prep as three launches: each holds fewer registers, so more programs share an SM.
     return ChunkConfig(chunk=chunk, block_v=block_v, prep_warps=4, state_warps=8 if block_v >= 64 else 4,
-                       pipeline_stages=2 if block_v <= 16 else 1)
+                       pipeline_stages=2 if block_v <= 16 else 1, split_prep=True)
 
 
 @triton.jit
@@ -225,16 +226,19 @@ def _chunk_prep_kernel(
     tl.debug_barrier()
 
     # ---- A (β-scaled, strictly lower) and P (lower) ----
-    # Pairs inside a 16-token sub-block. Where the sub-block's log-decay spread (over its 16
-    # tokens, per channel, from the token before it) is at most ``diag_spread_max``, one
-    # product factored at the token before it: e^(Γ_s - Γ_b) <= 1 times e^(Γ_b - Γ_r) <=
-    # e^spread, far inside float32. Steeper sub-blocks (the default gate is unbounded) take
-    # exact decays, element-wise, a column at a time on [16, SLICE] pieces (one layout: a
-    # [16, 16, K] broadcast would move data through shared memory; whole [16, K] rows would
-    # hold registers that the factored path's products need).
+    # By column block j (the pairs whose earlier token r is in sub-block j), over all the rows
+    # below it at once: a [C, K] x [K, 16] product, the rows split over the warps (16-row
+    # products would copy their left operand into every warp). Factored at a token b,
+    # e^(Γ_s - Γ_r) = e^(Γ_s - Γ_b) · e^(Γ_b - Γ_r):
+    # - b the token before sub-block j, the block's own rows included, where the sub-block's
+    #   log-decay spread (Γ_b - Γ of its last token, per channel) is at most ``diag_spread_max``:
+    #   e^(Γ_b - Γ_r) <= e^spread, the only positive exponent (e^60 is far inside float32), and
+    #   a left factor that underflows belongs to a term below e^(spread - 87);
+    # - else b the last token of sub-block j, rows below the block only (both factors <= 1),
+    #   and the block's own pairs take their exact decays element-wise, a column at a time on
+    #   [16, SLICE] pieces (the default gate is unbounded: no factoring inside a steep block).
+    # Both phases decide from the same workspace values, so they agree on every block.
     offs_s = tl.arange(0, 16)
-    tri_a = offs_s[:, None] > offs_s[None, :]
-    tri_p = offs_s[:, None] >= offs_s[None, :]
     if PHASES & 2:
         for i in range(NB):  # a loop, not unrolled: unrolled sub-blocks keep each other's tiles live
             if SUB_BLOCK_PROGRAMS:
@@ -242,28 +246,10 @@ def _chunk_prep_kernel(
             else:
                 run = i >= 0
             if run:
-                rows = i * 16 + offs_s
-                beta_i = _beta_values(beta, t0 + rows, rows < n_tok, stride_b_t, stride_b_h, i_hv, BETA_MODE)
-                ref = i * 16 - 1  # the token before the sub-block (Γ = 0 before the chunk)
-                has_ref = (offs_k * 0 + ref) >= 0
-                spread = tl.max(tl.load(ww + ref * BLOCK_K + offs_k, mask=has_ref, other=0.0)
-                                - tl.load(ww + (i * 16 + 15) * BLOCK_K + offs_k), axis=0)
-                p_blk = rows[:, None] * C + i * 16 + offs_s[None, :]
-                if spread <= diag_spread_max:
-                    acc_a = tl.zeros([16, 16], dtype=tl.float32)
-                    acc_p = tl.zeros([16, 16], dtype=tl.float32)
-                    for kk in tl.static_range(0, BLOCK_K, SLICE):
-                        G_ref = tl.load(ww + ref * BLOCK_K + kk + offs_n, mask=(offs_n * 0 + ref) >= 0, other=0.0)
-                        p_ik = rows[:, None] * BLOCK_K + kk + offs_n[None, :]
-                        d = tl.load(ww + p_ik) - G_ref[None, :]  # <= 0
-                        k_s = tl.load(wk + p_ik)
-                        left = tl.exp(d)
-                        right = tl.trans(k_s * tl.exp(-d))
-                        acc_a = tl.dot(k_s * left, right, acc_a, input_precision=DOT_PRECISION)
-                        acc_p = tl.dot(tl.load(wq + p_ik) * left, right, acc_p, input_precision=DOT_PRECISION)
-                    tl.store(wa + p_blk, tl.where(tri_a, acc_a * beta_i[:, None], 0.0))
-                    tl.store(wp + p_blk, tl.where(tri_p, acc_p, 0.0))
-                else:
+                spread = _block_spread(ww, i, offs_k, BLOCK_K)
+                if spread > diag_spread_max:
+                    rows = i * 16 + offs_s
+                    beta_i = _beta_values(beta, t0 + rows, rows < n_tok, stride_b_t, stride_b_h, i_hv, BETA_MODE)
                     for r in range(16):
                         a_col = tl.zeros([16], dtype=tl.float32)
                         p_col = tl.zeros([16], dtype=tl.float32)
@@ -279,26 +265,26 @@ def _chunk_prep_kernel(
                         tl.store(wp + rows * C + i * 16 + r, p_col)
     b_beta = _beta_values(beta, tok, mask_c, stride_b_t, stride_b_h, i_hv, BETA_MODE)
     if PHASES & 4:
-        # Pairs with an earlier sub-block j, one column block at a time over all the rows below
-        # it: factored at the last token b of sub-block j, e^(Γ_s - Γ_b) · e^(Γ_b - Γ_r), both
-        # <= 1 (a [C, K] x [K, 16] product: the rows split over the warps; 16-row products
-        # would copy their left operand into every warp).
-        for j in range(NB - 1):
-            ref = j * 16 + 15
-            below = offs_c >= j * 16 + 16
-            acc_a = tl.zeros([C, 16], dtype=tl.float32)
-            acc_p = tl.zeros([C, 16], dtype=tl.float32)
-            for kk in tl.static_range(0, BLOCK_K, SLICE):
-                G_ref = tl.load(ww + ref * BLOCK_K + kk + offs_n)
-                p_sl = offs_c[:, None] * BLOCK_K + kk + offs_n[None, :]
-                left = tl.exp(tl.where(below[:, None], tl.load(ww + p_sl) - G_ref[None, :], float("-inf")))
-                p_jk = (j * 16 + offs_s)[:, None] * BLOCK_K + kk + offs_n[None, :]
-                right = tl.trans(tl.load(wk + p_jk) * tl.exp(G_ref[None, :] - tl.load(ww + p_jk)))  # [SLICE, 16]
-                acc_a = tl.dot(tl.load(wk + p_sl) * left, right, acc_a, input_precision=DOT_PRECISION)
-                acc_p = tl.dot(tl.load(wq + p_sl) * left, right, acc_p, input_precision=DOT_PRECISION)
-            p_col = offs_c[:, None] * C + j * 16 + offs_s[None, :]
-            tl.store(wa + p_col, acc_a * b_beta[:, None], mask=below[:, None])
-            tl.store(wp + p_col, acc_p, mask=below[:, None])
+        for j in range(NB):
+            factor = _block_spread(ww, j, offs_k, BLOCK_K) <= diag_spread_max
+            if factor | (j < NB - 1):  # a steep last block has no rows below it
+                ref = tl.where(factor, j * 16 - 1, j * 16 + 15)
+                below = offs_c >= tl.where(factor, j * 16, j * 16 + 16)
+                acc_a = tl.zeros([C, 16], dtype=tl.float32)
+                acc_p = tl.zeros([C, 16], dtype=tl.float32)
+                for kk in tl.static_range(0, BLOCK_K, SLICE):
+                    G_ref = tl.load(ww + ref * BLOCK_K + kk + offs_n, mask=(offs_n * 0 + ref) >= 0, other=0.0)
+                    p_sl = offs_c[:, None] * BLOCK_K + kk + offs_n[None, :]
+                    left = tl.exp(tl.where(below[:, None], tl.load(ww + p_sl) - G_ref[None, :], float("-inf")))
+                    p_jk = (j * 16 + offs_s)[:, None] * BLOCK_K + kk + offs_n[None, :]
+                    right = tl.trans(tl.load(wk + p_jk) * tl.exp(G_ref[None, :] - tl.load(ww + p_jk)))  # [SLICE, 16]
+                    acc_a = tl.dot(tl.load(wk + p_sl) * left, right, acc_a, input_precision=DOT_PRECISION)
+                    acc_p = tl.dot(tl.load(wq + p_sl) * left, right, acc_p, input_precision=DOT_PRECISION)
+                col = j * 16 + offs_s
+                p_col = offs_c[:, None] * C + col[None, :]
+                keep_a = offs_c[:, None] > col[None, :]  # strictly lower (the block's own rows when factored)
+                tl.store(wa + p_col, tl.where(keep_a, acc_a * b_beta[:, None], 0.0), mask=below[:, None])
+                tl.store(wp + p_col, tl.where(offs_c[:, None] >= col[None, :], acc_p, 0.0), mask=below[:, None])
     tl.debug_barrier()
 
     if PHASES & 4:
@@ -330,6 +316,15 @@ def _chunk_prep_kernel(
                           mask=mask_c[:, None] & (offs_v < V)[None, :], other=0.0).to(tl.float32)
             b_u = tl.dot(b_T, b_v * b_beta[:, None], input_precision=DOT_PRECISION)
             tl.store(ws_u + ws_row * BLOCK_V + offs_c[:, None] * BLOCK_V + offs_v[None, :], b_u)
+
+
+@triton.jit
+def _block_spread(ws_gamma, j, offs_k, BLOCK_K: tl.constexpr):
+    """Sub-block ``j``'s log-decay spread: Γ of the token before it (0 before the chunk) minus
+    Γ of its last token, the largest over the channels (>= 0: Γ never increases)."""
+    ref = j * 16 - 1
+    before = tl.load(ws_gamma + ref * BLOCK_K + offs_k, mask=(offs_k * 0 + ref) >= 0, other=0.0)
+    return tl.max(before - tl.load(ws_gamma + (j * 16 + 15) * BLOCK_K + offs_k), axis=0)
 
 
 @triton.jit
