@@ -39,8 +39,11 @@ The kernels:
 1. ``_chunk_prep_kernel``, one program per (chunk, value head), token-parallel: L2 norm,
    gate, β, the cumulative decay, ``A`` and ``P``, the inverse, and the chunk's ``w``,
    ``u``, ``q̂ ⊙ e^Γ``, ``k̂ ⊙ e^(Γ_C - Γ)``, ``P`` and ``e^Γ_C`` into a float32 workspace.
-   Each phase reads its pieces back from the workspace (16-row sub-blocks, 64-column
-   slices), so that no whole-chunk tile outlives its phase: those spill registers.
+   Each phase reads its pieces back from the workspace (16-row sub-blocks,
+   ``ChunkConfig.slice_k``-column pieces), so that no whole-chunk tile outlives its phase:
+   those spill registers. With ``ChunkConfig.split_prep`` (the picked default) the phases
+   run as three launches of the same kernel (token-parallel; the exact pairs of steep
+   sub-blocks, a program per sub-block; the rest), each holding fewer registers.
 2. ``_chunk_state_kernel``, one program per (sequence, value head, V tile), serial over
    the sequence's chunks with the state tile in float32 registers: outputs and the
    state update above; the final state written back in place (and optionally the state
