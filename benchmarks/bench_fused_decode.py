@@ -1,6 +1,8 @@
 """Fused decode on the GPU: correctness at real sizes, then fused vs the unfused chain.
 
     python benchmarks/bench_fused_decode.py [--quick] [--sweep one|chain] [--name NAME]
+        [--configs 'block_v=16,v_tiles=2;...'] [--conv-configs 'block_c=512,num_warps=4;...']
+        [--decode-configs 'block_v=8,v_tiles=2;...'] [--norm-configs 'rows=8,num_warps=4;...']
 
 Checks `fused_decode` against the float64 reference (and against the unfused chain of
 public ops causal_conv1d_update -> packed_decode -> gated_rmsnorm) at Kimi sizes (H = HV =
@@ -10,6 +12,14 @@ harness.graph_time_us: `fused_decode` as it dispatches (with and without the out
 the one-kernel step, the chain of public ops, the op's chain with and without dependent
 launches, and packed decode alone (post-conv inputs, no norm: the recurrence's floor).
 Writes JSON (harness.save) and prints a table last.
+
+Launch-config variants, each checked before it is timed, in harness.parse_configs syntax
+(the config dataclass's fields, ``field=value`` joined by ``,``, configs by ``;``; fields not
+named keep the config picked at each size): ``--configs`` the one-kernel step's
+FusedDecodeConfig (``--sweep one``: SWEEP_ONE), ``--conv-configs`` / ``--decode-configs``
+the dependent chain's conv (Conv1dUpdateConfig) and decode (PackedDecodeConfig) kernels
+(``--sweep chain``: SWEEP_CHAIN_CONV and SWEEP_CHAIN_DECODE), ``--norm-configs`` its norm
+kernel (GatedRMSNormConfig; by default NORM_VARIANTS, always checked and timed).
 """
 from __future__ import annotations
 
@@ -19,42 +29,24 @@ import torch
 
 from kdakit import reference
 from kdakit.bench import harness
-from kdakit.ops.conv1d_update import Conv1dUpdateConfig, causal_conv1d_update
-from kdakit.ops.fused_decode import fused_decode
-from kdakit.ops.gated_rmsnorm import gated_rmsnorm
-from kdakit.ops.packed_decode import packed_decode
+from kdakit.bench.inputs import fused_decode_inputs  # one inputs builder per op
+from kdakit.ops.conv1d_update import Conv1dUpdateConfig, causal_conv1d_update, conv1d_update_config
+from kdakit.ops.fused_decode import FusedDecodeConfig, chain_decode_config, fused_decode
+from kdakit.ops.fused_decode import one_kernel_config as pinned_one_kernel_config
+from kdakit.ops.gated_rmsnorm import GatedRMSNormConfig, gated_rmsnorm, gated_rmsnorm_config
+from kdakit.ops.packed_decode import PackedDecodeConfig, packed_decode
 
 W = 4  # Kimi short conv width
 
 
-def make_layer(N, H, HV, K, V, *, state_dtype=torch.float32, act_dtype=torch.bfloat16, conv_dtype=torch.bfloat16,
-               transposed_conv=True, spare_slots=None, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    dev = "cuda"
-    slots = N + (spare_slots if spare_slots is not None else max(N, 2))
-    C = 2 * H * K + HV * V
-    if transposed_conv:  # stored [slots, W-1, C], passed as a [slots, C, W-1] view
-        conv = torch.randn(slots, W - 1, C, device=dev, generator=g).to(conv_dtype).transpose(1, 2)
-    else:
-        conv = torch.randn(slots, C, W - 1, device=dev, generator=g).to(conv_dtype)
-    return {
-        "qkv": torch.randn(N, C, device=dev, generator=g).to(act_dtype),
-        "conv_weight": torch.randn(C, W, device=dev, generator=g) * 0.5,
-        "conv_state": conv,
-        "a": torch.randn(N, HV * K, device=dev, generator=g).to(act_dtype),
-        "b": torch.randn(N, HV, device=dev, generator=g).to(act_dtype),
-        "A_log": torch.rand(HV, device=dev, generator=g) * 2 - 1,
-        "dt_bias": torch.randn(HV * K, device=dev, generator=g) * 0.5,
-        "state": (torch.randn(slots, HV, V, K, device=dev, generator=g) * 0.5).to(state_dtype),
-        "idx": torch.randperm(slots, device=dev, generator=g)[:N].to(torch.int32),
-        "norm_gate": torch.randn(N, HV * V, device=dev, generator=g).to(act_dtype),
-        "norm_weight": torch.rand(V, device=dev, generator=g) + 0.5,
-        "out": torch.empty(N, 1, HV, V, device=dev, dtype=act_dtype),
-        # unfused chain buffers
-        "mixed": torch.empty(N, C, device=dev, dtype=act_dtype),
-        "o": torch.empty(N, 1, HV, V, device=dev, dtype=act_dtype),
-        "y": torch.empty(N, 1, HV, V, device=dev, dtype=act_dtype),
-    }
+def make_layer(N, H, HV, K, V, **kw):
+    """inputs.fused_decode_inputs (``kw``: its options), and the unfused chain's buffers."""
+    layer = fused_decode_inputs(N, H, HV, K, V, W=W, **kw)
+    C, act_dtype = layer["qkv"].shape[1], layer["qkv"].dtype
+    layer.update(mixed=torch.empty(N, C, device="cuda", dtype=act_dtype),
+                 o=torch.empty(N, 1, HV, V, device="cuda", dtype=act_dtype),
+                 y=torch.empty(N, 1, HV, V, device="cuda", dtype=act_dtype))
+    return layer
 
 
 def fused_call(layer, norm=True, lower_bound=None):
@@ -76,22 +68,36 @@ def chain_call(layer, norm=True, lower_bound=None):
     return call
 
 
-def dependent_chain_call(layer, norm=True, pdl=True, conv_config=None, decode_config=None, **chain_kw):
-    """The op's own unfused chain, each kernel a programmatic dependent launch of the one before."""
+def dependent_chain_call(layer, norm=True, pdl=True, **groups):
+    """The op's own unfused chain, each kernel a programmatic dependent launch of the one before.
+    ``groups``: ``conv=``, ``decode=``, ``norm=`` texts (harness.parse_configs syntax) applied
+    to the config the chain picks for that kernel at this layer's sizes (chain_config)."""
     from kdakit.ops.fused_decode import _unfused_chain
-    from kdakit.ops.gated_rmsnorm import GatedRMSNormConfig
-    from kdakit.ops.packed_decode import PackedDecodeConfig
-    conv_config = Conv1dUpdateConfig(*conv_config) if conv_config is not None else None
-    decode_config = PackedDecodeConfig(*decode_config) if decode_config is not None else None
-    if chain_kw.get("norm_config") is not None:  # the sweeps' tuples, as configs
-        chain_kw = dict(chain_kw, norm_config=GatedRMSNormConfig(*chain_kw["norm_config"]))
+    configs = {f"{part}_config": chain_config(part, group, layer) for part, group in groups.items()}
     kw = dict(norm_gate=layer["norm_gate"], norm_weight=layer["norm_weight"]) if norm else dict(norm_gate=None,
                                                                                                  norm_weight=None)
     K = layer["state"].shape[-1]
     return lambda: _unfused_chain(layer["qkv"], layer["conv_weight"], layer["conv_state"], layer["a"], layer["b"],
                                   layer["A_log"], layer["dt_bias"], layer["state"], layer["idx"], layer["out"],
                                   conv_bias=None, scale=K ** -0.5, lower_bound=None, norm_eps=1e-6, pdl=pdl,
-                                  conv_config=conv_config, decode_config=decode_config, **chain_kw, **kw)
+                                  **configs, **kw)
+
+
+# The chain's kernels: each one's config class and the config the chain picks at a layer's sizes.
+CHAIN_PARTS = {
+    "conv": (Conv1dUpdateConfig, lambda L: conv1d_update_config(L["qkv"].shape[1])),
+    "decode": (PackedDecodeConfig, lambda L: chain_decode_config(L["out"].shape[0], L["state"].shape[1],
+                                                                 L["state"].shape[2], L["state"].shape[3],
+                                                                 L["state"].element_size())),
+    "norm": (GatedRMSNormConfig, lambda L: gated_rmsnorm_config(L["out"].shape[-1],
+                                                                       L["out"].shape[0] * L["out"].shape[2])),
+}
+
+
+def chain_config(part, group, layer):
+    """``group``'s fields on the config the chain picks for ``part`` at ``layer``'s sizes."""
+    config_type, picked = CHAIN_PARTS[part]
+    return harness.parse_configs(group, config_type, base=picked(layer))[0] if group is not None else None
 
 
 def packed_call(layer):
@@ -237,7 +243,7 @@ def check_dependent_chain(results):
         state0, conv0 = layer["state"].clone(), layer["conv_state"].clone()
         ref_out, ref_state, ref_conv = ref_fused(layer, norm)
 
-        def run(pdl):
+        def run(pdl, layer=layer, state0=state0, conv0=conv0):
             layer["state"].copy_(state0)
             layer["conv_state"].copy_(conv0)
             layer["out"].fill_(float("nan"))
@@ -249,7 +255,7 @@ def check_dependent_chain(results):
         live = layer["idx"][layer["idx"] >= 0].long()
         e_out, e_state = rel(plain[0], ref_out), rel(plain[1][live], ref_state[live])
         conv_ok = torch.equal(plain[2][live], ref_conv[live].to(plain[2].dtype))
-        variant = "".join(f"-{k}{v}" for k, v in chain_kw.items())
+        variant = "".join(f"-{k}[{v}]" for k, v in chain_kw.items())
         results["checks"].append({"case": f"dependent-chain-N{N}-norm{int(norm)}{variant}-repeat100-bitwise-plain",
                                   "out_err": e_out, "state_err": e_state, "conv_bitwise": conv_ok,
                                   "untouched": same, "ok": same and conv_ok and e_out < 2e-2 and e_state < 1e-3})
@@ -259,60 +265,87 @@ def check_dependent_chain(results):
 
 def one_kernel_config(N, H=32, HV=32, K=128, V=128):
     """The one-kernel step's pinned config (what runs without dependent launches)."""
-    from kdakit.ops.fused_decode import one_kernel_config as pinned
-    config = pinned(N, H, HV, V, K)
-    return config.block_v, config.v_tiles, config.num_warps
+    return pinned_one_kernel_config(N, H, HV, V, K)
 
 
 def config_call(layer, config, norm):
-    from kdakit.ops.fused_decode import FusedDecodeConfig, fused_decode_triton
+    """The one-kernel step (or what ``config``, a FusedDecodeConfig, plans) through the Triton launcher."""
+    from kdakit.ops.fused_decode import fused_decode_triton
     kw = dict(norm_gate=layer["norm_gate"], norm_weight=layer["norm_weight"]) if norm else dict(norm_gate=None,
                                                                                                  norm_weight=None)
     return lambda: fused_decode_triton(layer["qkv"], layer["conv_weight"], layer["conv_state"], layer["a"],
                                        layer["b"], layer["A_log"], layer["dt_bias"], layer["state"], layer["idx"],
                                        layer["out"], conv_bias=None, scale=0.0884, lower_bound=None, norm_eps=1e-6,
-                                       config=FusedDecodeConfig(*config), **kw)
+                                       config=config, **kw)
 
 
-# (BLOCK_V, V_TILES, num_warps), with the norm: V split over programs of one tile or of
-# several, one one-warp program per head streaming its tiles, or one multi-warp program
-# holding the whole row of a head (the norm on registers).
-SWEEPS = {
-    "one": [(c, True) for c in ((16, 1, 1), (8, 16, 1), (8, 2, 1), (8, 4, 1), (8, 8, 1), (16, 2, 1), (16, 4, 1),
-                                (128, 1, 4), (128, 1, 8), (128, 1, 16))],
-    "chain": [],
-}
-SWEEP = []  # set from --sweep
-# --sweep chain: the dependent chain with other launch configs of its conv kernel
-# (BLOCK_C, num_warps) or its decode kernel (BLOCK_V, V_TILES, num_warps, num_stages, EVICT)
-CHAIN_SWEEP = [("conv", c) for c in ((128, 1), (512, 4), (1024, 4), (64, 1))] + [
-    ("decode", c) for c in ((2, 1, 1, 1, ""), (4, 1, 1, 1, ""), (8, 1, 1, 1, ""), (16, 1, 1, 1, ""), (8, 2, 1, 1, ""),
-                            (4, 2, 1, 1, ""))]
+def one_kernel_variant(group, N, H=32, HV=32):
+    """``group``'s FusedDecodeConfig fields on the one-kernel step's pinned config at ``N``."""
+    return harness.parse_configs(group, FusedDecodeConfig, base=one_kernel_config(N, H, HV))[0]
 
 
-# The dependent chain with its norm over several rows a program (ROWS, num_warps); the
-# op pins 8 rows past 2048 rows (kdakit/ops/gated_rmsnorm.py).
-CHAIN_VARIANTS = {"norm rows 1x1": dict(norm_config=(1, 1)), "norm rows 8x4": dict(norm_config=(8, 4))}
+# Launch-config sweeps, harness.parse_configs syntax (fields not named keep the picked config's).
+# --sweep one / --configs: FusedDecodeConfig of the one-kernel step, with the norm: V split over
+# programs of one tile or of several, one one-warp program per head streaming its tiles, or one
+# multi-warp program holding the whole row of a head (the norm on registers).
+SWEEP_ONE = ";".join(f"block_v={bv},v_tiles={t},num_warps={w}" for bv, t, w in (
+    (16, 1, 1), (8, 16, 1), (8, 2, 1), (8, 4, 1), (8, 8, 1), (16, 2, 1), (16, 4, 1), (128, 1, 4), (128, 1, 8),
+    (128, 1, 16)))
+# --sweep chain / --conv-configs, --decode-configs: the dependent chain with other launch configs
+# of its conv kernel (Conv1dUpdateConfig) or its decode kernel (PackedDecodeConfig).
+SWEEP_CHAIN_CONV = "block_c=128,num_warps=1;block_c=512,num_warps=4;block_c=1024,num_warps=4;block_c=64,num_warps=1"
+SWEEP_CHAIN_DECODE = ";".join(f"block_v={bv},v_tiles={t}" for bv, t in ((2, 1), (4, 1), (8, 1), (16, 1), (8, 2),
+                                                                            (4, 2)))
+# Always checked and timed (--norm-configs: others instead): the dependent chain with its norm
+# over several rows a program (GatedRMSNormConfig); the op pins 8 rows past 2048 rows
+# (kdakit/ops/gated_rmsnorm.py).
+NORM_VARIANTS = "rows=1,num_warps=1;rows=8,num_warps=4"
+
+SWEEP = []        # one-kernel variants (groups), set from --sweep one / --configs
+CHAIN_SWEEP = []  # (part, group) of the chain, set from --sweep chain / --conv-configs / --decode-configs
+CHAIN_VARIANTS = {}  # row name: dict(norm=group), set from NORM_VARIANTS / --norm-configs
 
 
-def config_name(config, norm):
-    return "fused{}-bv{}-t{}-w{}".format("+norm" if norm else "", *config)
+def set_sweeps(sweep=None, configs=None, conv_configs=None, decode_configs=None, norm_configs=None):
+    """Fill SWEEP, CHAIN_SWEEP and CHAIN_VARIANTS from the options (each group parsed now, so a
+    wrong field fails before the checks)."""
+    probe = make_probe()
+    SWEEP[:] = harness.config_groups(configs or (SWEEP_ONE if sweep == "one" else None), FusedDecodeConfig,
+                                     base=one_kernel_config(8))
+    conv = conv_configs or (SWEEP_CHAIN_CONV if sweep == "chain" else None)
+    decode = decode_configs or (SWEEP_CHAIN_DECODE if sweep == "chain" else None)
+    CHAIN_SWEEP[:] = [(part, group) for part, text in (("conv", conv), ("decode", decode))
+                      for group in harness.config_groups(text, CHAIN_PARTS[part][0], base=CHAIN_PARTS[part][1](probe))]
+    CHAIN_VARIANTS.clear()
+    CHAIN_VARIANTS.update({f"norm[{group}]": dict(norm=group) for group in harness.config_groups(
+        norm_configs or NORM_VARIANTS, GatedRMSNormConfig, base=CHAIN_PARTS["norm"][1](probe))})
+
+
+def make_probe(N=8, H=32, HV=32, K=128, V=128):
+    """A layer's shapes without its tensors (meta device), for the pickers' configs."""
+    C = 2 * H * K + HV * V
+    return {"qkv": torch.empty(N, C, device="meta"), "out": torch.empty(N, 1, HV, V, device="meta"),
+            "state": torch.empty(2 * N, HV, V, K, device="meta")}
+
+
+def config_name(group, norm):
+    return f"fused{'+norm' if norm else ''}[{group}]"
 
 
 def check_chain_configs(results):
     """Every swept chain config against float64 at N = 8 (one padding row)."""
     H = HV = 32
     K = V = 128
-    for part, config in CHAIN_SWEEP:
+    for part, group in CHAIN_SWEEP:
         layer = make_layer(8, H, HV, K, V, seed=71)
         layer["idx"][5] = -1
         ref_out, ref_state, ref_conv = ref_fused(layer, True)
         layer["out"].fill_(float("nan"))
-        dependent_chain_call(layer, True, True, **{part + "_config": config})()
+        dependent_chain_call(layer, True, True, **{part: group})()
         live = layer["idx"][layer["idx"] >= 0].long()
         conv_ok = torch.equal(layer["conv_state"][live], ref_conv[live].to(layer["conv_state"].dtype))
         e_out, e_state = rel(layer["out"], ref_out), rel(layer["state"][live], ref_state[live])
-        results["checks"].append({"case": f"dependent-chain-{part}{list(config)}-N8-pad1", "out_err": e_out,
+        results["checks"].append({"case": f"dependent-chain-{part}[{group}]-N8-pad1", "out_err": e_out,
                                   "state_err": e_state, "conv_bitwise": conv_ok,
                                   "ok": conv_ok and e_out < 2e-2 and e_state < 1e-3})
         del layer
@@ -325,7 +358,9 @@ def check_configs(results):
     from kdakit.ops.launch import arrival_counters
     H = HV = 32
     K = V = 128
-    for config, norm in SWEEP:
+    norm = True
+    for group in SWEEP:
+        config = one_kernel_variant(group, 8)
         layer = make_layer(8, H, HV, K, V, seed=70)
         layer["idx"][3] = -1
         state0, conv0 = layer["state"].clone(), layer["conv_state"].clone()
@@ -343,14 +378,14 @@ def check_configs(results):
         conv_ok = torch.equal(layer["conv_state"][live], ref_conv[live].to(layer["conv_state"].dtype))
         e_out, e_state = rel(layer["out"], ref_out), rel(layer["state"][live], ref_state[live])
         zero = not arrival_counters(layer["qkv"].device, 8 * H).any()
-        results["checks"].append({"case": config_name(config, norm) + "-N8-pad1-repeat20", "out_err": e_out,
+        results["checks"].append({"case": config_name(group, norm) + "-N8-pad1-repeat20", "out_err": e_out,
                                   "state_err": e_state, "conv_bitwise": conv_ok, "untouched": same and zero,
                                   "ok": same and zero and conv_ok and e_out < 2e-2 and e_state < 1e-3})
         del layer
         torch.cuda.empty_cache()
 
 
-def timings(results, quick: bool, sweep: str | None = None):
+def timings(results, quick: bool):
     ceiling = results["copy_ceiling_GBps"]
     batches = [1, 8, 32, 128, 512] if not quick else [1, 32, 128]
     H = HV = 32
@@ -374,11 +409,11 @@ def timings(results, quick: bool, sweep: str | None = None):
                              for name, kw in CHAIN_VARIANTS.items()),
                            ("plain chain+norm (op)", lambda l: dependent_chain_call(l, True, False)),
                            ("packed_decode alone", packed_call)) + tuple(
-                (config_name(c, norm), (lambda l, c=c, norm=norm: config_call(l, c, norm)))
-                for c, norm in SWEEP) + tuple(
-                (f"dependent chain+norm {part}{list(c)}",
-                 (lambda l, part=part, c=c: dependent_chain_call(l, True, True, **{part + "_config": c})))
-                for part, c in (CHAIN_SWEEP if sweep == "chain" else ())):
+                (config_name(group, True), (lambda l, c=one_kernel_variant(group, N): config_call(l, c, True)))
+                for group in SWEEP) + tuple(
+                (f"dependent chain+norm {part}[{group}]",
+                 (lambda l, part=part, group=group: dependent_chain_call(l, True, True, **{part: group})))
+                for part, group in CHAIN_SWEEP):
             try:
                 t = harness.graph_time_us([make(layer) for layer in layers])
                 results["rows"].append(harness.row(name, t, moved, ceiling, **base))
@@ -400,19 +435,27 @@ def timings(results, quick: bool, sweep: str | None = None):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--sweep", choices=sorted(SWEEPS), help="time launch-config variants of the fused kernel")
+    parser.add_argument("--sweep", choices=("one", "chain"), help="time launch-config variants: of the one-kernel "
+                        "step (SWEEP_ONE) or of the chain's conv and decode kernels (SWEEP_CHAIN_CONV, _DECODE)")
+    parser.add_argument("--configs", help="FusedDecodeConfig variants of the one-kernel step (with the norm) to time, "
+                        "as 'field=value,...;field=value' (fields not named keep the pinned one-kernel config's)")
+    parser.add_argument("--conv-configs", help="Conv1dUpdateConfig variants of the dependent chain's conv kernel, "
+                        "the same syntax (fields not named keep the chain's pick)")
+    parser.add_argument("--decode-configs", help="PackedDecodeConfig variants of the dependent chain's decode kernel")
+    parser.add_argument("--norm-configs", help="GatedRMSNormConfig variants of the dependent chain's norm kernel, "
+                        "checked and timed instead of NORM_VARIANTS")
     parser.add_argument("--name", default="fused_decode_h200")
     args = parser.parse_args()
+    set_sweeps(args.sweep, args.configs, args.conv_configs, args.decode_configs, args.norm_configs)
     results = harness.new_results()
     correctness(results)
     check_dependent_chain(results)
-    if args.sweep:
-        SWEEP.extend(SWEEPS[args.sweep])
+    if SWEEP:
         check_configs(results)
-        if args.sweep == "chain":
-            check_chain_configs(results)
+    if CHAIN_SWEEP:
+        check_chain_configs(results)
     bad = [c for c in results["checks"] if not c["ok"]]
-    timings(results, args.quick, args.sweep)
+    timings(results, args.quick)
     harness.close_results(results)
     path = harness.save(results, args.name, harness.results_folder(__file__))
     print(f"copy ceiling {results['copy_ceiling_GBps']} GB/s (end {results['copy_ceiling_GBps_end']}); saved {path}")

@@ -14,9 +14,10 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_packed_decode import kdakit_call, make_layer  # noqa: E402
+from bench_packed_decode import kdakit_call  # noqa: E402
 
 from kdakit.bench import harness  # noqa: E402
+from kdakit.bench.inputs import packed_decode_inputs  # noqa: E402
 from kdakit.ops import launch  # noqa: E402
 
 
@@ -39,7 +40,7 @@ def main():
     for N in (1, 33):
         outs = {}
         for fast in (True, False):
-            layer = make_layer(N, 32, 32, 128, 128, torch.float32, seed=5)
+            layer = packed_decode_inputs(N, 32, 32, 128, 128, state_dtype=torch.float32, seed=5)
             on_path(fast, kdakit_call(layer))
             on_path(fast, kdakit_call(layer))
             torch.cuda.synchronize()
@@ -47,7 +48,7 @@ def main():
         ok = all(torch.equal(a, b) for a, b in zip(outs[True], outs[False]))
         results["checks"].append({"case": f"fast-vs-public-bitwise-N{N}", "ok": ok})
     # Host cost per eager call at N = 1, alternated so that drift hits both paths alike.
-    layer = make_layer(1, 32, 32, 128, 128, torch.float32)
+    layer = packed_decode_inputs(1, 32, 32, 128, 128, state_dtype=torch.float32)
     call = kdakit_call(layer)
     host = {"fast": [], "public": []}
     for _ in range(3):
@@ -59,9 +60,9 @@ def main():
     for N in (8, 128):
         state_bytes = 32 * 128 * 128 * 4
         L = harness.layers_for(2 * N * state_bytes)
-        layers = [make_layer(N, 32, 32, 128, 128, torch.float32, seed=s) for s in range(L)]
+        layers = [packed_decode_inputs(N, 32, 32, 128, 128, state_dtype=torch.float32, seed=s) for s in range(L)]
         for fast in (True, False):
-            t = on_path(fast, lambda: harness.graph_time_us([kdakit_call(layer) for layer in layers]))
+            t = on_path(fast, lambda layers=layers: harness.graph_time_us([kdakit_call(layer) for layer in layers]))
             results["rows"].append(harness.row("fast" if fast else "public", t, 2 * N * state_bytes, ceiling, N=N))
         del layers
         torch.cuda.empty_cache()

@@ -1,8 +1,16 @@
 """Speculative verify and commit on the GPU: checks at real sizes, then timings.
 
     python benchmarks/bench_mtp.py [--quick] [--batches 1,8,64,256] [--name mtp_h200]
-    sweeps: --tile-bytes 4096,8192 | --ring-sweep ... | --conv-sweep 64x2,128x4:wr1 |
-            --commit-tiles 1:1,1:2,2:2
+    sweeps: --configs ['block_v=8,num_warps=1;block_v=16,num_warps=1'] |
+            --ring-configs ['factored=false;state_block_v=32,state_warps=2'] |
+            --conv-configs ['block_c=64,num_warps=2;block_c=128,num_warps=4'] |
+            --commit-configs ['tiles=1,steps_ahead=1;tiles=2,steps_ahead=2']
+
+Sweep configs in harness.parse_configs syntax: the config dataclass's fields (VerifyConfig,
+RingVerifyConfig, VerifyConvConfig, CommitRingConfig), ``field=value`` joined by ``,``,
+configs by ``;``; fields not named keep the config the op picks at each size. An option
+alone runs its built-in list (SWEEP, RING_SWEEP, CONV_SWEEP, COMMIT_SWEEP below); rows and
+checks are tagged ``[<config>]``.
 
 Verify in snapshot and ring mode (inputs already convolved, and with the short conv
 fused), the snapshot and ring commits, and fla's speculative serving path
@@ -22,8 +30,11 @@ import torch
 import kdakit
 from kdakit import reference
 from kdakit.bench import harness
-from kdakit.ops.commit import commit_ring_config, commit_ring_triton
-from kdakit.ops.mtp_verify import mtp_verify_config, mtp_verify_triton, recurrence_tile
+from kdakit.bench.inputs import mtp_verify_inputs  # one inputs builder per op
+from kdakit.ops.commit import CommitRingConfig, commit_ring_config, commit_ring_triton
+from kdakit.ops.mtp_verify import VerifyConfig, mtp_verify_config, mtp_verify_triton
+from kdakit.ops.ring_verify import RingVerifyConfig
+from kdakit.ops.verify_conv import VerifyConvConfig
 
 H = HV = 32
 K = V = 128
@@ -38,35 +49,65 @@ SWEEP_CONFIGS = {"verify": None,   # (N, T, HV, V, K, lower_bound) -> mtp_verify
 
 
 def make_layer(N, T, *, conv, mode, seed=0, norm=False, ring_len=None, slots=None):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    dev, bf = "cuda", torch.bfloat16
-    slots = slots or 2 * N + 2
-    ring_len = ring_len or T
+    """One layer at the bench's sizes (inputs.mtp_verify_inputs)."""
+    return mtp_verify_inputs(N, T, H, HV, K, V, W=W, conv=conv, mode=mode, norm=norm, ring_len=ring_len, slots=slots,
+                             seed=seed, device="cuda")
 
-    def rnd(*shape, s=1.0):
-        return (torch.randn(*shape, device=dev, generator=g) * s).to(bf)
-    L = {"q": rnd(N, T, H, K), "k": rnd(N, T, H, K), "v": rnd(N, T, HV, V), "a": rnd(N, T, HV, K),
-         "b": rnd(N, T, HV), "A_log": torch.rand(HV, device=dev, generator=g) * 2 - 1,
-         "dt_bias": torch.randn(HV * K, device=dev, generator=g) * 0.5,
-         "state": torch.randn(slots, HV, V, K, device=dev, generator=g) * 0.3,
-         "slots": torch.randperm(slots, device=dev, generator=g)[:N].to(torch.int32),
-         "scratch_idx": torch.randperm(N, device=dev, generator=g).to(torch.int32)}
-    channels = (H * K, H * K, HV * V)
-    if conv:
-        L["conv_weights"] = tuple(torch.randn(c, W, device=dev, generator=g) * 0.5 for c in channels)
-        L["conv_states"] = tuple(rnd(slots, c, W - 1) for c in channels)
-        L["intermediate_conv"] = tuple(torch.empty(N, T, c, W - 1, device=dev, dtype=bf) for c in channels)
-    if mode == "snapshot":
-        L["snapshots"] = torch.empty(N, T, HV, V, K, device=dev)
-    else:
-        L["rings"] = (torch.empty(slots, H, ring_len, K, device=dev, dtype=bf),
-                      torch.empty(slots, HV, ring_len, V, device=dev, dtype=bf),
-                      torch.empty(slots, HV, ring_len, K, device=dev), torch.empty(slots, HV, ring_len, device=dev))
-    if norm:
-        L["norm_gate"] = rnd(N, T, HV, V)
-        L["norm_weight"] = torch.rand(V, device=dev, generator=g) + 0.5
-    L["out"] = torch.empty(N, T, HV, V, device=dev, dtype=bf)
-    return L
+
+def verify_with(group=None, *, ring=None, conv=None, form=None):
+    """A SWEEP_CONFIGS["verify"] picker: the op's config at the call's shapes with ``group``'s
+    VerifyConfig fields, ``ring``'s RingVerifyConfig fields on its chunk-form config, ``conv``'s
+    VerifyConvConfig fields on its conv prologue's (harness.parse_configs texts); ``form``
+    forces the ring form ("chunked" or "recurrent") whatever the batch."""
+    def pick(*shapes):
+        config = mtp_verify_config(*shapes)
+        if group:
+            config = harness.parse_configs(group, VerifyConfig, base=config)[0]
+        if ring:
+            config = replace(config, ring=harness.parse_configs(ring, RingVerifyConfig, base=config.ring)[0])
+        if conv:
+            config = replace(config, conv=harness.parse_configs(conv, VerifyConvConfig, base=config.conv)[0])
+        return replace(config, ring_form=form) if form else config
+    return pick
+
+
+def commit_with(group=None, verify_group=None):
+    """A SWEEP_CONFIGS["commit"] picker: the ring commit's config with ``group``'s
+    CommitRingConfig fields; ``verify_group``: on the verify's tile under that VerifyConfig text
+    (a ring commit equals a snapshot commit bitwise on the verify's tile)."""
+    def pick(v_dim, k_dim):
+        config = commit_ring_config(v_dim, k_dim)
+        if verify_group:
+            tile = harness.parse_configs(verify_group, VerifyConfig, base=mtp_verify_config(1, 2, HV, v_dim, k_dim,
+                                                                                             LOWER_BOUND))[0]
+            config = replace(config, block_v=tile.block_v, num_warps=tile.num_warps)
+        return harness.parse_configs(group, CommitRingConfig, base=config)[0] if group else config
+    return pick
+
+
+# Built-in sweeps (harness.parse_configs syntax: fields not named keep the picked config's), the
+# lists of the last runs of each (benchmarks/results/mtp_*_h200.json); each option alone runs its list.
+# --configs: the verify's recurrence tile (VerifyConfig), the ring commit on the same tile
+# (4 KB and 8 KB of float32 state rows at K = 128).
+SWEEP = "block_v=8,num_warps=1;block_v=16,num_warps=1"
+# --ring-configs: the chunk form's RingVerifyConfig (mtp_ring_factored_pairs, mtp_ring_small_tiles_sweep).
+RING_SWEEP = ("factored=false;" + ";".join(f"state_block_v={bv},state_warps={w},k_chunk={kc},num_stages={st}"
+                                         for bv, w, kc, st in ((16, 1, 128, 1), (32, 2, 128, 1), (64, 4, 128, 1),
+                                                               (16, 1, 32, 4), (32, 2, 32, 4), (16, 1, 64, 2))))
+# --conv-configs: the conv prologue's VerifyConvConfig (mtp_conv_coalesced_ab).
+CONV_SWEEP = "block_c=64,num_warps=2;block_c=128,num_warps=4;block_c=128,num_warps=4,window_runs=false"
+# --commit-configs: the ring commit's CommitRingConfig (mtp_commit_steps_ahead).
+COMMIT_SWEEP = ";".join(f"tiles={t},steps_ahead={a}" for t, a in ((1, 1), (1, 2), (2, 1), (2, 2)))
+
+
+def sweep_groups(text, config_type):
+    """``text``'s configs one by one (harness.config_groups), each parsed now against the
+    config the op picks at the bench's sizes (N = 8, 4 steps, safe gate)."""
+    bases = {VerifyConfig: lambda: mtp_verify_config(8, 4, HV, V, K, LOWER_BOUND),
+             RingVerifyConfig: lambda: mtp_verify_config(8, 4, HV, V, K, LOWER_BOUND).ring,
+             VerifyConvConfig: lambda: mtp_verify_config(8, 4, HV, V, K, LOWER_BOUND).conv,
+             CommitRingConfig: lambda: commit_ring_config(V, K)}
+    return harness.config_groups(text, config_type, base=bases[config_type]())
 
 
 def verify_call(L):
@@ -257,52 +298,35 @@ def timings(results, quick, commit_only=False, batches=None, tag="", skip_fla=Fa
                 torch.cuda.empty_cache()
 
 
-def ring_sweep(results, variants, batches):
-    """Ring verify (no conv, then with it) at every batch for each variant, forced whatever
-    the batch: "recurrent", "chunked" (kdakit/ops/ring_verify.py as configured),
-    "chunked-pairwise" (its pair sums never factored), or the chunk
-    form's "<precision>:<block_v>x<warps>:<k_chunk>:<stages>[:<steps kernel warps>]"; each
-    checked against float64 before it is timed."""
-    def ring_config(variant):
-        """The variant's ring config from the shipped one (the pinned config of each call)."""
-        if variant in ("recurrent", "chunked"):
-            return lambda ring: ring
-        if variant == "chunked-pairwise":  # the shipped chunk form, pair sums never factored
-            return lambda ring: replace(ring, factored=False)
-        precision, tile, k_chunk, stages, *steps_warps = variant.split(":")
-        block_v, warps = (int(x) for x in tile.split("x"))
-        return lambda ring: replace(ring, dot_precision=precision, state_block_v=block_v, state_warps=warps,
-                                    k_chunk=int(k_chunk), num_stages=int(stages),
-                                    steps_warps=int(steps_warps[0]) if steps_warps else ring.steps_warps)
-    for variant in variants:
-        form, ring = "recurrent" if variant == "recurrent" else "chunked", ring_config(variant)
-        SWEEP_CONFIGS["verify"] = lambda *shapes, form=form, ring=ring: (
-            lambda c: replace(c, ring_form=form, ring=ring(c.ring)))(mtp_verify_config(*shapes))
+def ring_sweep(results, groups, batches):
+    """Ring verify (no conv, then with it) at every batch, forced whatever the batch: the
+    recurrent form, the chunk form as the op configures it ("chunked"), then the chunk form
+    with each RingVerifyConfig text of ``groups`` (kdakit/ops/ring_verify.py); each checked
+    against float64 before it is timed."""
+    variants = [("recurrent", verify_with(form="recurrent")), ("chunked", verify_with(form="chunked"))] + [
+        (group, verify_with(ring=group, form="chunked")) for group in groups]
+    for variant, pick in variants:
+        SWEEP_CONFIGS["verify"] = pick
         for N, T, conv, norm in ((1, 2, True, False), (8, 4, True, True), (64, 8, False, False), (33, 4, True, False)):
             L = make_layer(N, T, conv=conv, mode="ring", norm=norm, seed=N * 10 + T)
             verify_call(L)()
             e_out = rel(L["out"], ref_verify(L, "ring")[0])
-            results["checks"].append({"case": f"ring-{variant}-N{N}-T{T}-conv{int(conv)}-norm{int(norm)}",
+            results["checks"].append({"case": f"ring[{variant}]-N{N}-T{T}-conv{int(conv)}-norm{int(norm)}",
                                       "out_err": e_out, "ok": e_out < 2e-2})
         for num_spec in (1, 3, 7):
             for N in batches:
                 for conv in (False, True):
-                    time_verify(results, f"verify-ring{'-conv' if conv else ''}-{variant}", N, 1 + num_spec,
+                    time_verify(results, f"verify-ring{'-conv' if conv else ''}[{variant}]", N, 1 + num_spec,
                                 mode="ring", conv=conv)
                     torch.cuda.empty_cache()
 
 
-def commit_sweep(results, variants, batches):
-    """The ring commit per variant "<tiles per program>[:<steps ahead>]" (kdakit/ops/commit.py
-    CommitRingConfig.tiles, .steps_ahead) on the same verified layers, after the bitwise checks of each."""
-    def use(variant):
-        tiles, *ahead = (int(x) for x in variant.split(":"))
-        SWEEP_CONFIGS["commit"] = lambda V, K, tiles=tiles, ahead=ahead: (
-            lambda c: replace(c, tiles=tiles, steps_ahead=ahead[0] if ahead else c.steps_ahead))(
-                commit_ring_config(V, K))
-    for variant in variants:
-        use(variant)
-        commit_bitwise_checks(results, tag=f"-tiles{variant}")
+def commit_sweep(results, groups, batches):
+    """The ring commit per CommitRingConfig text of ``groups`` (kdakit/ops/commit.py: tiles,
+    steps_ahead...) on the same verified layers, after the bitwise checks of each."""
+    for group in groups:
+        SWEEP_CONFIGS["commit"] = commit_with(group)
+        commit_bitwise_checks(results, tag=f"-commit[{group}]")
     for num_spec in (1, 3, 7):
         T = 1 + num_spec
         for N in batches:
@@ -310,30 +334,23 @@ def commit_sweep(results, variants, batches):
             nl = harness.layers_for(moved)
             layers = [make_layer(N, T, conv=False, mode="ring", seed=i, slots=N * (T + 1) + 2) for i in range(nl)]
             accept = ring_accept_lens(layers, T)
-            for variant in variants:
-                use(variant)
-                time_commit_ring(results, f"commit-ring-tiles{variant}", layers, accept, num_spec=num_spec, N=N)
+            for group in groups:
+                SWEEP_CONFIGS["commit"] = commit_with(group)
+                time_commit_ring(results, f"commit-ring[{group}]", layers, accept, num_spec=num_spec, N=N)
             del layers
             torch.cuda.empty_cache()
 
 
-def conv_sweep(results, variants, batches):
-    """Verify with the short conv (ring and snapshot) for each conv prologue config
-    "<channels per program>x<warps>[:wr0|:wr1]" (kdakit/ops/verify_conv.py), checked first."""
-    for variant in variants:
-        tile, *flags = variant.split(":")
-        block_c, warps = (int(x) for x in tile.split("x"))
-        # "wr0" / "wr1": windows stored per tap / as whole runs at every T (default: the rule)
-        runs = {"wr0": False, "wr1": True}.get(flags[0]) if flags else None
-        SWEEP_CONFIGS["verify"] = lambda *shapes, block_c=block_c, warps=warps, runs=runs: (
-            lambda c: replace(c, conv=replace(c.conv, block_c=block_c, num_warps=warps,
-                                              window_runs=c.conv.window_runs if runs is None else runs)))(
-                mtp_verify_config(*shapes))
-        correctness(results, tag=f"-conv{variant}")
+def conv_sweep(results, groups, batches):
+    """Verify with the short conv (ring and snapshot) for each VerifyConvConfig text of
+    ``groups`` (kdakit/ops/verify_conv.py: block_c, num_warps, window_runs), checked first."""
+    for group in groups:
+        SWEEP_CONFIGS["verify"] = verify_with(conv=group)
+        correctness(results, tag=f"-conv[{group}]")
         for num_spec in (1, 3, 7):
             for N in batches:
                 for mode in ("ring", "snapshot"):
-                    time_verify(results, f"verify-{mode}-conv-{variant}", N, 1 + num_spec, mode=mode, conv=True)
+                    time_verify(results, f"verify-{mode}-conv[{group}]", N, 1 + num_spec, mode=mode, conv=True)
                     torch.cuda.empty_cache()
 
 
@@ -343,35 +360,39 @@ def main():
     parser.add_argument("--commit-only", action="store_true", help="time the commits (and their verifies) only")
     parser.add_argument("--batches", type=lambda x: tuple(int(n) for n in x.split(",")), default=None,
                         help="comma-separated N values (default 1,8,64,256; --quick 8,64)")
-    parser.add_argument("--tile-bytes", type=lambda x: tuple(int(n) for n in x.split(",")), default=None,
-                        help="sweep: bytes of state rows per program of the verify and ring commit "
-                             "(kdakit.ops.mtp_verify.recurrence_tile); rows are tagged with it")
-    parser.add_argument("--ring-sweep", type=lambda x: x.split(","), default=None,
-                        help="time only the ring verify, per variant: recurrent, chunked, or "
-                             "<tf32x3|tf32|ieee>:<BVxwarps>:<k_chunk>:<stages>[:<steps warps>]")
-    parser.add_argument("--conv-sweep", type=lambda x: x.split(","), default=None,
-                        help="time only the verifies with the conv, per conv prologue config <channels>x<warps>")
-    parser.add_argument("--commit-tiles", type=lambda x: x.split(","), default=None,
-                        help="time only the ring commit, per variant <tiles a program folds>[:<steps ahead>]")
+    syntax = "'field=value,...;field=value' (fields not named keep the picked config's; the option alone: "
+    parser.add_argument("--configs", nargs="?", const=SWEEP, default=None,
+                        help="sweep: VerifyConfig variants of the verify (block_v, num_warps: its recurrence tile; "
+                             "ring_form), the ring commit on the same tile; rows tagged with each. " + syntax
+                             + "SWEEP)")
+    parser.add_argument("--ring-configs", nargs="?", const=RING_SWEEP, default=None,
+                        help="time only the ring verify: the recurrent form, the chunk form, and the chunk form "
+                             "with each RingVerifyConfig. " + syntax + "RING_SWEEP)")
+    parser.add_argument("--conv-configs", nargs="?", const=CONV_SWEEP, default=None,
+                        help="time only the verifies with the conv, per VerifyConvConfig. " + syntax + "CONV_SWEEP)")
+    parser.add_argument("--commit-configs", nargs="?", const=COMMIT_SWEEP, default=None,
+                        help="time only the ring commit, per CommitRingConfig. " + syntax + "COMMIT_SWEEP)")
     parser.add_argument("--name", default="mtp_h200")
     args = parser.parse_args()
+    # every config parsed before anything runs (a wrong field fails here)
+    verify_groups = sweep_groups(args.configs, VerifyConfig)
+    ring_groups = sweep_groups(args.ring_configs, RingVerifyConfig)
+    conv_groups = sweep_groups(args.conv_configs, VerifyConvConfig)
+    commit_groups = sweep_groups(args.commit_configs, CommitRingConfig)
     results = harness.new_results()
-    if args.commit_tiles:
-        commit_sweep(results, args.commit_tiles, args.batches or (64, 256))
-    elif args.conv_sweep:
-        conv_sweep(results, args.conv_sweep, args.batches or (1, 64))
-    elif args.ring_sweep:
-        ring_sweep(results, args.ring_sweep, args.batches or (1, 8, 64, 256))
-    elif args.tile_bytes:
-        for i, tile_bytes in enumerate(args.tile_bytes):
+    if commit_groups:
+        commit_sweep(results, commit_groups, args.batches or (64, 256))
+    elif conv_groups:
+        conv_sweep(results, conv_groups, args.batches or (1, 64))
+    elif args.ring_configs is not None:
+        ring_sweep(results, ring_groups, args.batches or (1, 8, 64, 256))
+    elif verify_groups:
+        for i, group in enumerate(verify_groups):
             # the verify and the ring commit on the same tile (a ring commit equals a snapshot commit bitwise)
-            SWEEP_CONFIGS["verify"] = lambda N, T, hv, v, k, lb, tile_bytes=tile_bytes: replace(
-                mtp_verify_config(N, T, hv, v, k, lb), **dict(zip(("block_v", "num_warps"),
-                                                                  recurrence_tile(v, k, tile_bytes))))
-            SWEEP_CONFIGS["commit"] = lambda v, k, tile_bytes=tile_bytes: replace(
-                commit_ring_config(v, k), **dict(zip(("block_v", "num_warps"), recurrence_tile(v, k, tile_bytes))))
-            correctness(results, tag=f"-tile{tile_bytes}")
-            timings(results, args.quick, args.commit_only, args.batches, tag=f"-tile{tile_bytes}", skip_fla=i > 0)
+            SWEEP_CONFIGS["verify"] = verify_with(group)
+            SWEEP_CONFIGS["commit"] = commit_with(verify_group=group)
+            correctness(results, tag=f"[{group}]")
+            timings(results, args.quick, args.commit_only, args.batches, tag=f"[{group}]", skip_fla=i > 0)
     else:
         correctness(results)
         timings(results, args.quick, args.commit_only, args.batches)

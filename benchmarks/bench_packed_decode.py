@@ -1,9 +1,11 @@
 """Packed decode on the GPU: correctness at real sizes, CUDA-graph capture, then timings.
 
-    python benchmarks/bench_packed_decode.py [--sweep] [--quick] [--configs 8x1x1,...] [--batches 1,32]
+    python benchmarks/bench_packed_decode.py [--sweep] [--quick] [--configs 'block_v=8,v_tiles=2;...'] [--batches 1,32]
 
 Checks every variant against the float64 reference before timing it; times
-kdakit (pinned config, and a config sweep with --sweep), fla-core's serving path
+kdakit (pinned config, and with --sweep the PackedDecodeConfig variants of SWEEP, or
+those of ``--configs`` in harness.parse_configs syntax: fields not named keep the config
+the op picks at each size; rows ``kdakit[<config>]``), fla-core's serving path
 (`fused_recurrent_kda_fwd` with `ssm_state_indices`, in place, `state_v_first`),
 HBM-resident through harness.graph_time_us; writes JSON (harness.save).
 """
@@ -16,24 +18,8 @@ import torch
 import kdakit
 from kdakit import reference
 from kdakit.bench import harness
-from kdakit.ops.packed_decode import PackedDecodeConfig, packed_decode_triton
-
-
-def make_layer(N, H, HV, K, V, state_dtype, *, act_dtype=torch.bfloat16, spare_slots=None, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    slots = N + (spare_slots if spare_slots is not None else max(N, 2))
-    dev = "cuda"
-    layer = {
-        "mixed": torch.randn(N, 2 * H * K + HV * V, device=dev, generator=g).to(act_dtype),
-        "a": torch.randn(N, HV * K, device=dev, generator=g).to(act_dtype),
-        "b": torch.randn(N, HV, device=dev, generator=g).to(act_dtype),
-        "A_log": torch.rand(HV, device=dev, generator=g) * 2 - 1,
-        "dt_bias": torch.randn(HV * K, device=dev, generator=g) * 0.5,
-        "state": (torch.randn(slots, HV, V, K, device=dev, generator=g) * 0.5).to(state_dtype),
-        "idx": torch.randperm(slots, device=dev, generator=g)[:N].to(torch.int32),
-        "out": torch.empty(N, 1, HV, V, device=dev, dtype=act_dtype),
-    }
-    return layer
+from kdakit.bench.inputs import packed_decode_inputs  # one inputs builder per op
+from kdakit.ops.packed_decode import PackedDecodeConfig, packed_decode_config, packed_decode_triton
 
 
 def ref_decode(layer, lower_bound=None, use_qk_l2norm=True):
@@ -95,7 +81,7 @@ def correctness(results):
         (48, 8, 8, 256, 96, torch.float32, -2.0, 2),
     ]
     for N, H, HV, K, V, sd, lb, pad in cases:
-        layer = make_layer(N, H, HV, K, V, sd, seed=N + HV)
+        layer = packed_decode_inputs(N, H, HV, K, V, state_dtype=sd, seed=N + HV)
         if pad:
             layer["idx"][torch.randperm(N, device="cuda")[:pad]] = -1
         before = layer["state"].clone()
@@ -119,7 +105,7 @@ def correctness(results):
     # A pool of more than 2**31 elements: offsets must be 64-bit.
     HV, K, V = 32, 128, 128
     slots = (2 ** 31) // (HV * V * K) + 16
-    layer = make_layer(4, 32, HV, K, V, torch.float32, spare_slots=0)
+    layer = packed_decode_inputs(4, 32, HV, K, V, state_dtype=torch.float32, spare_slots=0)
     layer["state"] = torch.randn(slots, HV, V, K, device="cuda")
     layer["idx"] = torch.tensor([slots - 1, 3, slots - 9, slots - 2], device="cuda", dtype=torch.int32)
     ref_out, ref_state = ref_decode(layer)
@@ -130,13 +116,13 @@ def correctness(results):
     del layer, ref_state
     torch.cuda.empty_cache()
     # CUDA graph: capture once, replay with new inputs, compare with eager.
-    layer = make_layer(16, 32, 32, 128, 128, torch.float32)
+    layer = packed_decode_inputs(16, 32, 32, 128, 128, state_dtype=torch.float32)
     call = kdakit_call(layer)
     harness.graph_time_us([call], replays=1)  # warm + capture path exercised
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         call()
-    fresh = make_layer(16, 32, 32, 128, 128, torch.float32, seed=99)
+    fresh = packed_decode_inputs(16, 32, 32, 128, 128, state_dtype=torch.float32, seed=99)
     for key in ("mixed", "a", "b", "A_log", "dt_bias", "state", "idx"):
         layer[key].copy_(fresh[key])
     graph.replay()
@@ -145,14 +131,24 @@ def correctness(results):
     results["checks"].append({"case": "cuda-graph-replay-new-inputs-bitwise-eager", "ok": ok})
 
 
-def timings(results, sweep: bool, quick: bool, configs=None, batches=None):
+# --sweep: PackedDecodeConfig fields changed from the picked config (harness.parse_configs
+# syntax); the next tile's load is in flight while one computes whatever num_stages (static
+# loop); no cache hint (evict_first is slower: docs/tuning.md).
+SWEEP = ("block_v=4,v_tiles=1;block_v=4,v_tiles=2;block_v=8,v_tiles=1;block_v=8,v_tiles=2;block_v=8,v_tiles=4;"
+         "block_v=16,v_tiles=1;block_v=16,v_tiles=2")
+
+
+def sweep_groups(configs=None, sweep=False):
+    """The variants to time (harness.config_groups: each checked against the dataclass now)."""
+    return harness.config_groups(configs or (SWEEP if sweep else None), PackedDecodeConfig,
+                                 base=packed_decode_config(8, 32, 128, 128, 4))
+
+
+def timings(results, groups, quick: bool, only_fp32=False, batches=None):
+    """``groups``: PackedDecodeConfig variants (sweep_groups), each applied to the config the op
+    picks at every size, timed on the HV = 32 pools; ``only_fp32``: the float32 HV = 32 pool alone."""
     ceiling = results["copy_ceiling_GBps"]
     batches = batches or ([1, 8, 32, 128, 512] if not quick else [8, 128])
-    # (BLOCK_V, V_TILES, num_warps, num_stages, EVICT); the next tile's load is in flight while
-    # one computes whatever num_stages (static loop); no cache hint (evict_first is slower: docs/tuning.md).
-    only_fp32 = bool(configs)  # a config list of its own: the float32 HV = 32 pool alone
-    configs = configs or ([PackedDecodeConfig(bv, t, 1, 1, "") for bv, t in ((4, 1), (4, 2), (8, 1), (8, 2), (8, 4), (16, 1), (16, 2))]
-                          if sweep else [])
     pools = ((32, (torch.float32,)),) if only_fp32 else ((32, (torch.float32, torch.bfloat16)), (12, (torch.float32,)))
     for HV, dtypes in pools:
         H, K, V = HV, 128, 128
@@ -162,16 +158,16 @@ def timings(results, sweep: bool, quick: bool, configs=None, batches=None):
                 if sd != torch.float32 and N < 32:
                     continue
                 num_layers = harness.layers_for(N * state_bytes)
-                layers = [make_layer(N, H, HV, K, V, sd, seed=i) for i in range(num_layers)]
+                layers = [packed_decode_inputs(N, H, HV, K, V, state_dtype=sd, seed=i) for i in range(num_layers)]
                 moved = 2 * N * state_bytes
                 floor_us = moved / (ceiling * 1e3)
                 base = {"HV": HV, "N": N, "state": str(sd)[6:], "layers": num_layers, "floor_us": round(floor_us, 2)}
                 # check one layer of each implementation before timing it
                 ref_out, ref_state = ref_decode(layers[0])
                 snap = layers[0]["state"].clone()
-                variants = [("kdakit", None)] + [(f"kdakit-bv{c.block_v}-t{c.v_tiles}-w{c.num_warps}-s{c.num_stages}-"
-                                                  f"{c.evict[:5] or 'nohint'}", c) for c in configs
-                                                if HV == 32]
+                picked = packed_decode_config(N, HV, V, K, sd.itemsize)
+                variants = [("kdakit", None)] + [(f"kdakit[{group}]", harness.parse_configs(
+                    group, PackedDecodeConfig, base=picked)[0]) for group in groups if HV == 32]
                 for name, cfg in variants:
                     layers[0]["state"].copy_(snap)
                     kdakit_call(layers[0], config=cfg)()
@@ -192,7 +188,7 @@ def timings(results, sweep: bool, quick: bool, configs=None, batches=None):
                 del layers
                 torch.cuda.empty_cache()
     # eager host cost of one call at N = 1 (validation included)
-    layer = make_layer(1, 32, 32, 128, 128, torch.float32)
+    layer = packed_decode_inputs(1, 32, 32, 128, 128, state_dtype=torch.float32)
     results["eager_us_N1"] = {"kdakit": round(harness.eager_host_us(kdakit_call(layer)), 1)}
     results["eager_us_N1"].update(eager_breakdown(layer))
     try:
@@ -226,19 +222,20 @@ def eager_breakdown(layer):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--sweep", action="store_true", help="time every (BLOCK_V, num_warps) config too")
+    parser.add_argument("--sweep", action="store_true", help="time the PackedDecodeConfig variants of SWEEP too")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--name", default="packed_decode_h200")
-    parser.add_argument("--configs", help="BLOCK_VxV_TILESxWARPS,... (float32 pools, HV = 32 only)")
+    parser.add_argument("--configs", help="PackedDecodeConfig variants to time instead of SWEEP, as "
+                        "'field=value,...;field=value' (fields not named keep the picked config's; "
+                        "the float32 HV = 32 pool only)")
     parser.add_argument("--batches", help="N,N,...")
     args = parser.parse_args()
+    groups = sweep_groups(args.configs, args.sweep)  # a wrong field fails here, before the checks
+    batches = [int(n) for n in args.batches.split(",")] if args.batches else None
     results = harness.new_results()
     correctness(results)
     bad = [c for c in results["checks"] if not c["ok"]]
-    configs = ([PackedDecodeConfig(*(int(x) for x in c.split("x")), 1, "") for c in args.configs.split(",")]
-               if args.configs else None)
-    batches = [int(n) for n in args.batches.split(",")] if args.batches else None
-    timings(results, args.sweep, args.quick, configs, batches)
+    timings(results, groups, args.quick, bool(args.configs), batches)
     harness.close_results(results)
     path = harness.save(results, args.name, harness.results_folder(__file__))
     print(f"copy ceiling {results['copy_ceiling_GBps']} GB/s (end {results['copy_ceiling_GBps_end']}); saved {path}")

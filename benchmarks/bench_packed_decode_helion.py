@@ -30,6 +30,7 @@ import bench_packed_decode as base  # noqa: E402
 
 import kdakit  # noqa: E402
 from kdakit.bench import harness  # noqa: E402
+from kdakit.bench.inputs import packed_decode_inputs  # noqa: E402
 from kdakit.ops.packed_decode_helion import helion_fused_recurrent_kda_packed_decode  # noqa: E402
 
 SIZES = [(HV, N) for HV in (12, 32) for N in (1, 32, 512)]
@@ -47,7 +48,7 @@ def check_helion(results, quick=False):
     for HV, N in SIZES[::3] if quick else SIZES:
         for sd in STATE_DTYPES:
             for lb in (None, -5.0):
-                layer = base.make_layer(N, HV, HV, 128, 128, sd, seed=N + HV + (lb is None))
+                layer = packed_decode_inputs(N, HV, HV, 128, 128, state_dtype=sd, seed=N + HV + (lb is None))
                 pad = N // 16
                 if pad:
                     layer["idx"][torch.randperm(N, device="cuda")[:pad]] = -1
@@ -70,7 +71,7 @@ def check_helion(results, quick=False):
                                           "out_err": e_out, "state_err": e_state, "untouched": untouched,
                                           "padding_zero": pad_zero, "ok": ok})
             # the sglang-compatible entry, default gate, L2 norm in kernel
-            layer = base.make_layer(N, HV, HV, 128, 128, sd, seed=7 * N + HV)
+            layer = packed_decode_inputs(N, HV, HV, 128, 128, state_dtype=sd, seed=7 * N + HV)
             ref_out, ref_state = base.ref_decode(layer)
             o, s = helion_fused_recurrent_kda_packed_decode(
                 layer["mixed"], layer["a"], layer["b"], layer["A_log"], layer["dt_bias"], 128 ** -0.5,
@@ -88,7 +89,7 @@ def time_helion_vs_triton(results, quick=False):
         for sd in STATE_DTYPES:
             state_bytes = HV * 128 * 128 * sd.itemsize
             num_layers = harness.layers_for(N * state_bytes)
-            layers = [base.make_layer(N, HV, HV, 128, 128, sd, seed=i) for i in range(num_layers)]
+            layers = [packed_decode_inputs(N, HV, HV, 128, 128, state_dtype=sd, seed=i) for i in range(num_layers)]
             moved = 2 * N * state_bytes
             info = {"HV": HV, "N": N, "state": str(sd)[6:], "layers": num_layers,
                     "floor_us": round(moved / (ceiling * 1e3), 2)}
@@ -103,7 +104,7 @@ def time_helion_vs_triton(results, quick=False):
                 results["rows"].append(harness.row(backend, t, moved, ceiling, **info, err=round(err, 7)))
             del layers
             torch.cuda.empty_cache()
-    layer = base.make_layer(1, 32, 32, 128, 128, torch.float32)
+    layer = packed_decode_inputs(1, 32, 32, 128, 128, state_dtype=torch.float32)
     results["eager_us_N1"] = {backend: round(harness.eager_host_us(decode_call(layer, backend)), 1)
                               for backend in ("triton", "helion")}
 

@@ -1,6 +1,7 @@
 """Varlen recurrent forward on the GPU: correctness at real sizes, then timings against fla.
 
-    python benchmarks/bench_recurrent_forward.py [--sweep] [--quick] [--configs ...] [--kmajor-configs ...]
+    python benchmarks/bench_recurrent_forward.py [--sweep] [--quick] [--configs 'block_v=8,v_tiles=2;...']
+        [--kmajor-configs 'block_v=32,num_warps=2;...']
 
 Checks every variant against the float64 reference before timing it (varlen batches,
 padding slots, 2-D per-token slots with num_accepted_tokens, token states, bf16 pools,
@@ -15,8 +16,11 @@ harness.graph_time_us, in the same process on the same inputs:
 - ``fla``: fla's fused_recurrent_kda, the same call;
 - ``fla-fwd-inplace``: fla's fused_recurrent_kda_fwd in place, ``state_v_first``
   (the op kdakit's native call does, on ``[N, HV, V, K]`` states).
-``--sweep`` also times kdakit's alternative (BLOCK_V, num_warps) configs. JSON via
-harness.save; a short table last.
+``--sweep`` also times kdakit's alternative launch configs (SWEEP: RecurrentForwardConfig
+fields in harness.parse_configs syntax), ``--configs`` the given ones instead (fields not
+named keep the config the op picks at each size; rows ``kdakit[<config>]``);
+``--kmajor-configs`` likewise the fla drop-in's config on K-major states (rows
+``kdakit-compat[<config>]``). JSON via harness.save; a short table last.
 """
 from __future__ import annotations
 
@@ -26,34 +30,21 @@ import torch
 
 from kdakit import reference
 from kdakit.bench import harness
+from kdakit.bench.inputs import varlen_inputs  # one inputs builder per op
 from kdakit.compat.fla import fused_recurrent_kda as compat_fused_recurrent_kda
-from kdakit.ops.recurrent_forward import RecurrentForwardConfig, recurrent_forward, recurrent_forward_triton
+from kdakit.ops.recurrent_forward import (RecurrentForwardConfig, recurrent_forward, recurrent_forward_config,
+                                          recurrent_forward_triton)
 
 DEV = "cuda"
 
 
 def make_layer(N, T, H, HV, K, V, *, state_dtype=torch.float32, act_dtype=torch.bfloat16, spare_slots=None,
                seqlens=None, seed=0):
-    """N sequences of T tokens (or ``seqlens``), flattened to [1, total, ...]; a pool with spare slots."""
-    gen = torch.Generator(device=DEV).manual_seed(seed)
-    lens = torch.full((N,), T, dtype=torch.int32) if seqlens is None else torch.tensor(seqlens, dtype=torch.int32)
-    cu = torch.zeros(N + 1, dtype=torch.int32)
-    cu[1:] = torch.cumsum(lens, 0)
-    total = int(cu[-1])
-    slots = N + (spare_slots if spare_slots is not None else max(N, 2))
-
-    def rnd(*shape):
-        return torch.randn(*shape, device=DEV, generator=gen)
-
-    return {
-        "q": rnd(1, total, H, K).to(act_dtype), "k": rnd(1, total, H, K).to(act_dtype),
-        "v": rnd(1, total, HV, V).to(act_dtype), "g": rnd(1, total, HV, K).to(act_dtype),
-        "beta": rnd(1, total, HV).to(act_dtype),
-        "A_log": torch.rand(HV, device=DEV, generator=gen) * 2 - 1, "dt_bias": rnd(HV * K) * 0.5,
-        "state": (rnd(slots, HV, V, K) * 0.5).to(state_dtype),
-        "idx": torch.randperm(slots, device=DEV, generator=gen)[:N].to(torch.int32),
-        "cu": cu.to(DEV), "out": torch.empty(1, total, HV, V, device=DEV, dtype=act_dtype),
-    }
+    """N sequences of T tokens (or ``seqlens``), flattened to [1, total, ...]; a pool with
+    ``spare_slots`` (default ``max(N, 2)``) besides the N used (inputs.varlen_inputs)."""
+    return varlen_inputs([T] * N if seqlens is None else seqlens, H, HV, K, V, state_dtype=state_dtype,
+                         act_dtype=act_dtype, slots=N + (spare_slots if spare_slots is not None else max(N, 2)),
+                         seed=seed, device=DEV)
 
 
 def rel(x, y):
@@ -92,7 +83,7 @@ def kdakit_call(layer, lower_bound=None, config=None, idx=None, num_accepted=Non
                                             dt_bias=layer["dt_bias"], lower_bound=lower_bound, beta_mode=1,
                                             num_accepted_tokens=num_accepted, token_states=token_states,
                                             write_final_state=True, final_states=None,
-                                            config=RecurrentForwardConfig(*config))
+                                            config=config)
 
 
 def fla_public_args(layer):
@@ -221,14 +212,16 @@ def layer_bytes(N, T, H, HV, K, V, act_bytes=2, state_bytes=4):
     return state + tokens
 
 
-def with_kmajor_config(config, fn):
-    """``fn`` (the fla drop-in) with its launch config for K-major pools replaced by ``config``."""
+def with_kmajor_config(group, fn):
+    """``fn`` (the fla drop-in) with its launch config for K-major pools replaced by the
+    picked one with ``group``'s fields (harness.parse_configs syntax)."""
     from kdakit.ops import recurrent_forward as module
 
     def call(**kw):
         pinned = module.recurrent_forward_config
         module.recurrent_forward_config = lambda N, HV, V, K, tokens, k_major=False: (
-            module.RecurrentForwardConfig(*config) if k_major else pinned(N, HV, V, K, tokens, k_major))
+            harness.parse_configs(group, RecurrentForwardConfig, base=pinned(N, HV, V, K, tokens, True))[0]
+            if k_major else pinned(N, HV, V, K, tokens, k_major))
         try:
             return fn(**kw)
         finally:
@@ -236,16 +229,27 @@ def with_kmajor_config(config, fn):
     return call
 
 
-def timings(results, sweep: bool, quick: bool, configs=None, kmajor_configs=()):
+# --sweep: RecurrentForwardConfig variants (harness.parse_configs syntax; every field named, so
+# the same configs at every size)
+SWEEP = ";".join(f"block_v={bv},num_warps=1,v_tiles={t},prefetch_tile={p},tiles_first=false"
+                 for bv, t, p in ((16, 1, "true"), (8, 1, "true"), (8, 2, "false"), (8, 4, "false"), (4, 2, "false"),
+                                  (4, 4, "true"), (8, 2, "true"), (8, 4, "true")))
+
+
+def config_groups(text):
+    """The variants of ``text`` (harness.config_groups: each checked against the dataclass now)."""
+    return harness.config_groups(text, RecurrentForwardConfig, base=recurrent_forward_config(64, 32, 128, 128, 64))
+
+
+def timings(results, groups, quick: bool, kmajor_groups=()):
+    """``groups``: RecurrentForwardConfig variants of kdakit's call, ``kmajor_groups``: of the fla
+    drop-in's on K-major states; each applied to the config the op picks at every size."""
     ceiling = results["copy_ceiling_GBps"]
     H = HV = 32
     K = V = 128
     sizes = [(N, T) for T in (1, 4, 16) for N in (8, 64, 256)]
     if quick:
         sizes = [(8, 1), (64, 1), (256, 1)]
-    # (BLOCK_V, num_warps, V_TILES, PREFETCH_TILE[, TILES_FIRST])
-    configs = configs or ([(16, 1, 1, 1), (8, 1, 1, 1), (8, 1, 2, 0), (8, 1, 4, 0), (4, 1, 2, 0), (4, 1, 4, 1),
-                           (8, 1, 2, 1), (8, 1, 4, 1)] if sweep else [])
     for N, T in sizes:
         moved = layer_bytes(N, T, H, HV, K, V)
         num_layers = harness.layers_for(moved)
@@ -254,8 +258,9 @@ def timings(results, sweep: bool, quick: bool, configs=None, kmajor_configs=()):
         ref_out, ref_pool, _ = ref_forward(layers[0])
         snap = layers[0]["state"].clone()
         live = layers[0]["idx"].long()
-        for name, cfg in [("kdakit", None)] + [("kdakit-" + "-".join(f"{k}{v}" for k, v in zip(
-                ("bv", "w", "t", "prefetch", "tilesfirst"), c)), c) for c in configs]:
+        picked = recurrent_forward_config(N, HV, V, K, N * T)
+        for name, cfg in [("kdakit", None)] + [(f"kdakit[{group}]", harness.parse_configs(
+                group, RecurrentForwardConfig, base=picked)[0]) for group in groups]:
             layers[0]["state"].copy_(snap)
             kdakit_call(layers[0], config=cfg)()
             err = max(rel(layers[0]["out"], ref_out), rel(layers[0]["state"][live], ref_pool[live]))
@@ -263,9 +268,9 @@ def timings(results, sweep: bool, quick: bool, configs=None, kmajor_configs=()):
             t = harness.graph_time_us([kdakit_call(layer, config=cfg) for layer in layers])
             results["rows"].append(harness.row(name, t, moved, ceiling, **base, err=round(err, 7)))
         peers = [("kdakit-compat", lambda layer: public_call(layer, compat_fused_recurrent_kda))]
-        peers += [("kdakit-compat-" + "x".join(map(str, c)),
-                   lambda layer, c=c: public_call(layer, with_kmajor_config(c, compat_fused_recurrent_kda)))
-                  for c in kmajor_configs]
+        peers += [(f"kdakit-compat[{group}]",
+                   lambda layer, group=group: public_call(layer, with_kmajor_config(group, compat_fused_recurrent_kda)))
+                  for group in kmajor_groups]
         try:
             from fla.ops.kda.fused_recurrent import fused_recurrent_kda as fla_fused_recurrent_kda
             peers.append(("fla", lambda layer: public_call(layer, fla_fused_recurrent_kda)))
@@ -294,18 +299,19 @@ def timings(results, sweep: bool, quick: bool, configs=None, kmajor_configs=()):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--sweep", action="store_true", help="time kdakit's alternative (BLOCK_V, num_warps) too")
+    parser.add_argument("--sweep", action="store_true", help="time kdakit's RecurrentForwardConfig variants of SWEEP too")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--name", default="recurrent_forward_h200")
-    parser.add_argument("--configs", help="BLOCK_VxWARPSxV_TILESxPREFETCHxTILES_FIRST,... (kdakit variants to time)")
+    parser.add_argument("--configs", help="RecurrentForwardConfig variants of kdakit's call to time instead of SWEEP, "
+                        "as 'field=value,...;field=value' (fields not named keep the picked config's)")
     parser.add_argument("--kmajor-configs", help="the same for the fla drop-in on fla's K-major states")
     args = parser.parse_args()
+    groups = config_groups(args.configs or (SWEEP if args.sweep else None))  # wrong fields fail here
+    kmajor = config_groups(args.kmajor_configs)
     results = harness.new_results()
     correctness(results)
     bad = [c for c in results["checks"] if not c["ok"]]
-    configs = [tuple(int(x) for x in c.split("x")) for c in args.configs.split(",")] if args.configs else None
-    kmajor = [tuple(int(x) for x in c.split("x")) for c in args.kmajor_configs.split(",")] if args.kmajor_configs else ()
-    timings(results, args.sweep, args.quick, configs, kmajor)
+    timings(results, groups, args.quick, kmajor)
     harness.close_results(results)
     path = harness.save(results, args.name, harness.results_folder(__file__))
     print(f"copy ceiling {results['copy_ceiling_GBps']} GB/s (end {results['copy_ceiling_GBps_end']}); saved {path}")

@@ -14,6 +14,7 @@ import torch
 import kdakit
 
 from . import backends, reference
+from .bench import inputs
 
 
 def available_backends(device: torch.device) -> list[str]:
@@ -56,86 +57,98 @@ def _f64(t):
     return t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
 
 
+# The sizes of every check: small grouped heads, K and V off the powers of two, a pool of 9
+# slots with one padding row (the inputs builders of kdakit/bench/inputs.py, float32).
+SIZES = dict(H=2, HV=4, K=32, V=48)
+SLOTS = 9
+IDX = (7, -1, 2, 4)
+F32 = dict(state_dtype=torch.float32, act_dtype=torch.float32)
+
+
+def _index(values, device):
+    return torch.tensor(values, dtype=torch.int32, device=device)
+
+
+def _unused(idx, slots=SLOTS):
+    live = set(int(s) for s in idx.tolist() if s >= 0)
+    return [s for s in range(slots) if s not in live]
+
+
 def check_packed_decode(backend, device):
-    c = _Case(device)
-    B = c.idx.numel()
-    mixed, a, b = c.rnd(B, 2 * c.H * c.K + c.HV * c.V), c.rnd(B, c.HV * c.K), c.rnd(B, c.HV)
-    before, ref_state = c.state.clone(), c.state.double()
-    ref_out = torch.empty(B, 1, c.HV, c.V, dtype=torch.float64, device=device)
-    reference.packed_decode(*map(_f64, (mixed, a, b, c.A_log, c.dt_bias)), ref_state, c.idx, ref_out,
-                            lower_bound=-2.0, compute_dtype=torch.float64)
-    out = torch.full((B, 1, c.HV, c.V), float("nan"), device=device)
-    kdakit.packed_decode(mixed, a, b, c.A_log, c.dt_bias, c.state, c.idx, out, lower_bound=-2.0, backend=backend)
-    u = c.unused()
-    return {"out_err": _rel(out, ref_out), "pool_err": _rel(c.state, ref_state),
-            "untouched": bool(torch.equal(c.state[u], before[u]))}
+    L = inputs.packed_decode_inputs(len(IDX), *SIZES.values(), slots=SLOTS, seed=0, device=device, **F32)
+    L["idx"] = _index(IDX, device)
+    before, ref_state = L["state"].clone(), L["state"].double()
+    ref_out = torch.empty(L["out"].shape, dtype=torch.float64, device=device)
+    reference.packed_decode(*(L[n].double() for n in ("mixed", "a", "b", "A_log", "dt_bias")), ref_state, L["idx"],
+                            ref_out, lower_bound=-2.0, compute_dtype=torch.float64)
+    out = L["out"].fill_(float("nan"))
+    kdakit.packed_decode(L["mixed"], L["a"], L["b"], L["A_log"], L["dt_bias"], L["state"], L["idx"], out,
+                         lower_bound=-2.0, backend=backend)
+    u = _unused(L["idx"])
+    return {"out_err": _rel(out, ref_out), "pool_err": _rel(L["state"], ref_state),
+            "untouched": bool(torch.equal(L["state"][u], before[u]))}
 
 
 def check_fused_decode(backend, device):
-    c = _Case(device, seed=1)
-    B, C, W = c.idx.numel(), 2 * c.H * c.K + c.HV * c.V, 4
-    qkv, a, b = c.rnd(B, C), c.rnd(B, c.HV * c.K), c.rnd(B, c.HV)
-    conv_w, conv = c.rnd(C, W) * 0.5, c.rnd(c.slots, C, W - 1)
-    gate, weight = c.rnd(B, c.HV * c.V), torch.rand(c.V, generator=c.gen).to(device) + 0.5
-    before, ref_state, ref_conv = c.state.clone(), c.state.double(), conv.double()
-    ref_out = torch.empty(B, 1, c.HV, c.V, dtype=torch.float64, device=device)
-    reference.fused_decode(*map(_f64, (qkv, conv_w)), ref_conv, *map(_f64, (a, b, c.A_log, c.dt_bias)), ref_state,
-                           c.idx, ref_out, norm_gate=gate.double(), norm_weight=weight.double(),
+    L = inputs.fused_decode_inputs(len(IDX), *SIZES.values(), conv_dtype=torch.float32, transposed_conv=False,
+                                   slots=SLOTS, seed=1, device=device, **F32)
+    L["idx"] = _index(IDX, device)
+    conv = L["conv_state"]
+    before, ref_state, ref_conv = L["state"].clone(), L["state"].double(), conv.double()
+    ref_out = torch.empty(L["out"].shape, dtype=torch.float64, device=device)
+    reference.fused_decode(L["qkv"].double(), L["conv_weight"].double(), ref_conv,
+                           *(L[n].double() for n in ("a", "b", "A_log", "dt_bias")), ref_state, L["idx"], ref_out,
+                           norm_gate=L["norm_gate"].double(), norm_weight=L["norm_weight"].double(),
                            compute_dtype=torch.float64)
-    out = kdakit.fused_decode(qkv, conv_w, conv, a, b, c.A_log, c.dt_bias, c.state, c.idx, norm_gate=gate,
-                              norm_weight=weight, backend=backend)
-    u = c.unused()
-    return {"out_err": _rel(out, ref_out), "pool_err": max(_rel(c.state, ref_state), _rel(conv, ref_conv)),
-            "untouched": bool(torch.equal(c.state[u], before[u]))}
+    out = kdakit.fused_decode(L["qkv"], L["conv_weight"], conv, L["a"], L["b"], L["A_log"], L["dt_bias"], L["state"],
+                              L["idx"], norm_gate=L["norm_gate"], norm_weight=L["norm_weight"], backend=backend)
+    u = _unused(L["idx"])
+    return {"out_err": _rel(out, ref_out), "pool_err": max(_rel(L["state"], ref_state), _rel(conv, ref_conv)),
+            "untouched": bool(torch.equal(L["state"][u], before[u]))}
 
 
 def check_mtp_verify_and_commit(backend, device):
     """Ring verify + ring commit against the reference; the pools stay read-only in verify."""
-    c = _Case(device, seed=2)
-    N, T = c.idx.numel(), 3
-    q, k = c.rnd(N, T, c.H, c.K), c.rnd(N, T, c.H, c.K)
-    v, a, b = c.rnd(N, T, c.HV, c.V), c.rnd(N, T, c.HV, c.K), c.rnd(N, T, c.HV)
-    scratch = torch.tensor([0, 1, 2, 3], dtype=torch.int32, device=device)
-
-    def rings(dtype):
-        return (torch.zeros(c.slots, c.H, T, c.K, dtype=dtype, device=device),
-                torch.zeros(c.slots, c.HV, T, c.V, dtype=dtype, device=device),
-                torch.zeros(c.slots, c.HV, T, c.K, dtype=dtype, device=device),
-                torch.zeros(c.slots, c.HV, T, dtype=dtype, device=device))
-    ref_rings, my_rings = rings(torch.float64), rings(torch.float32)
-    ref_out = torch.empty(N, T, c.HV, c.V, dtype=torch.float64, device=device)
-    reference.mtp_verify(*map(_f64, (q, k, v, a, b, c.A_log, c.dt_bias)), c.state.double(), c.idx, scratch, ref_out,
+    L = inputs.mtp_verify_inputs(len(IDX), 3, *SIZES.values(), conv=False, mode="ring", slots=SLOTS,
+                                 act_dtype=torch.float32, state_scale=0.5, seed=2, device=device)
+    L["slots"], L["scratch_idx"] = _index(IDX, device), _index((0, 1, 2, 3), device)
+    my_rings = L["rings"]
+    ref_rings = tuple(torch.zeros_like(r, dtype=torch.float64) for r in my_rings)
+    ref_out = torch.empty(L["out"].shape, dtype=torch.float64, device=device)
+    tokens = [L[n] for n in ("q", "k", "v", "a", "b", "A_log", "dt_bias")]
+    reference.mtp_verify(*map(_f64, tokens), L["state"].double(), L["slots"], L["scratch_idx"], ref_out,
                          rings=ref_rings, compute_dtype=torch.float64)
-    before = c.state.clone()
-    out = kdakit.mtp_verify(q, k, v, a, b, c.A_log, c.dt_bias, c.state, c.idx, scratch, rings=my_rings,
-                            backend=backend)
-    read_only = bool(torch.equal(c.state, before))
+    before = L["state"].clone()
+    out = kdakit.mtp_verify(*tokens, L["state"], L["slots"], L["scratch_idx"], rings=my_rings, backend=backend)
+    read_only = bool(torch.equal(L["state"], before))
     accept = torch.tensor([2, 0, 3, 1], dtype=torch.int32, device=device)
-    ref_state = c.state.double()
-    reference.commit_ring(ref_state, *ref_rings, c.idx, accept, compute_dtype=torch.float64)
-    kdakit.commit_ring(c.state, *my_rings, c.idx, accept, backend=backend)
-    u = c.unused()
-    return {"out_err": _rel(out, ref_out), "pool_err": _rel(c.state, ref_state),
-            "untouched": read_only and bool(torch.equal(c.state[u], before[u]))}
+    ref_state = L["state"].double()
+    reference.commit_ring(ref_state, *ref_rings, L["slots"], accept, compute_dtype=torch.float64)
+    kdakit.commit_ring(L["state"], *my_rings, L["slots"], accept, backend=backend)
+    u = _unused(L["slots"])
+    return {"out_err": _rel(out, ref_out), "pool_err": _rel(L["state"], ref_state),
+            "untouched": read_only and bool(torch.equal(L["state"][u], before[u]))}
+
+
+def _check_varlen(op, backend, device, seqlens, idx, seed):
+    """``op`` (recurrent_forward or chunk_prefill) on sequences of ``seqlens`` in slots ``idx``."""
+    L = inputs.varlen_inputs(seqlens, *SIZES.values(), slots=SLOTS, seed=seed, device=device, **F32)
+    L["idx"] = _index(idx, device)
+    before, ref_state = L["state"].clone(), L["state"].double()
+    ref_out = torch.empty(L["out"].shape, dtype=torch.float64, device=device)
+    tokens = [L[n] for n in ("q", "k", "v", "g", "beta")]
+    getattr(reference, op)(*map(_f64, tokens), ref_state, L["idx"], ref_out, cu_seqlens=L["cu"],
+                           A_log=L["A_log"].double(), dt_bias=L["dt_bias"].double(), beta_is_logit=True,
+                           compute_dtype=torch.float64)
+    out = getattr(kdakit, op)(*tokens, L["state"], L["idx"], cu_seqlens=L["cu"], A_log=L["A_log"],
+                              dt_bias=L["dt_bias"], beta_is_logit=True, backend=backend)
+    u = _unused(L["idx"])
+    return {"out_err": _rel(out, ref_out), "pool_err": _rel(L["state"], ref_state),
+            "untouched": bool(torch.equal(L["state"][u], before[u]))}
 
 
 def check_recurrent_forward(backend, device):
-    c = _Case(device, seed=3)
-    cu = torch.tensor([0, 3, 4, 7, 9], dtype=torch.int32, device=device)
-    T = 9
-    q, k, v = c.rnd(1, T, c.H, c.K), c.rnd(1, T, c.H, c.K), c.rnd(1, T, c.HV, c.V)
-    g, beta = c.rnd(1, T, c.HV, c.K), c.rnd(1, T, c.HV)
-    idx = torch.tensor([7, 0, 2, 4], dtype=torch.int32, device=device)
-    before, ref_state = c.state.clone(), c.state.double()
-    ref_out = torch.empty(1, T, c.HV, c.V, dtype=torch.float64, device=device)
-    reference.recurrent_forward(*map(_f64, (q, k, v, g, beta)), ref_state, idx, ref_out, cu_seqlens=cu,
-                                A_log=c.A_log.double(), dt_bias=c.dt_bias.double(), beta_is_logit=True,
-                                compute_dtype=torch.float64)
-    out = kdakit.recurrent_forward(q, k, v, g, beta, c.state, idx, cu_seqlens=cu, A_log=c.A_log, dt_bias=c.dt_bias,
-                                   beta_is_logit=True, backend=backend)
-    u = [s for s in range(c.slots) if s not in (7, 0, 2, 4)]
-    return {"out_err": _rel(out, ref_out), "pool_err": _rel(c.state, ref_state),
-            "untouched": bool(torch.equal(c.state[u], before[u]))}
+    return _check_varlen("recurrent_forward", backend, device, (3, 1, 3, 2), (7, 0, 2, 4), seed=3)
 
 
 def check_causal_conv1d_varlen(backend, device):
@@ -158,22 +171,8 @@ def check_causal_conv1d_varlen(backend, device):
 
 
 def check_chunk_prefill(backend, device):
-    c = _Case(device, seed=4)
-    cu = torch.tensor([0, 1, 37, 37, 70], dtype=torch.int32, device=device)  # length 1, off the chunk grid, empty
-    T = 70
-    q, k, v = c.rnd(1, T, c.H, c.K), c.rnd(1, T, c.H, c.K), c.rnd(1, T, c.HV, c.V)
-    g, beta = c.rnd(1, T, c.HV, c.K), c.rnd(1, T, c.HV)
-    idx = torch.tensor([7, 0, -1, 4], dtype=torch.int32, device=device)
-    before, ref_state = c.state.clone(), c.state.double()
-    ref_out = torch.empty(1, T, c.HV, c.V, dtype=torch.float64, device=device)
-    reference.chunk_prefill(*map(_f64, (q, k, v, g, beta)), ref_state, idx, ref_out, cu_seqlens=cu,
-                            A_log=c.A_log.double(), dt_bias=c.dt_bias.double(), beta_is_logit=True,
-                            compute_dtype=torch.float64)
-    out = kdakit.chunk_prefill(q, k, v, g, beta, c.state, idx, cu_seqlens=cu, A_log=c.A_log, dt_bias=c.dt_bias,
-                               beta_is_logit=True, backend=backend)
-    u = [s for s in range(c.slots) if s not in (7, 0, 4)]
-    return {"out_err": _rel(out, ref_out), "pool_err": _rel(c.state, ref_state),
-            "untouched": bool(torch.equal(c.state[u], before[u]))}
+    # length 1, off the chunk grid, empty, and a padding slot
+    return _check_varlen("chunk_prefill", backend, device, (1, 36, 0, 33), (7, 0, -1, 4), seed=4)
 
 
 CHECKS = {"packed_decode": check_packed_decode, "fused_decode": check_fused_decode,

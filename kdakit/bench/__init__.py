@@ -36,33 +36,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _make_layer(op: str, N: int, seed: int):
-    import torch
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    dev, act = "cuda", torch.bfloat16
-    slots = N + max(N, 2)
-    C = 2 * H * K + HV * V
-
-    def rnd(*shape):
-        return torch.randn(*shape, device=dev, generator=g)
-    layer = {"x": rnd(N, C).to(act), "a": rnd(N, HV * K).to(act), "b": rnd(N, HV).to(act),
-             "A_log": torch.rand(HV, device=dev, generator=g) * 2 - 1, "dt_bias": rnd(HV * K) * 0.5,
-             "state": rnd(slots, HV, V, K) * 0.5,
-             "idx": torch.randperm(slots, device=dev, generator=g)[:N].to(torch.int32),
-             "out": torch.empty(N, 1, HV, V, device=dev, dtype=act)}
-    if op == "fused_decode":
-        layer.update(conv_weight=rnd(C, W) * 0.5, conv_state=rnd(slots, C, W - 1).to(act),
-                     gate=rnd(N, HV * V).to(act), norm_weight=torch.rand(V, device=dev, generator=g) + 0.5)
-    return layer
+    """One layer's inputs at Kimi sizes (kdakit/bench/inputs.py: the builders the benchmark
+    scripts and `kdakit check` use too); the fused step's conv pool as ``[slots, C, W-1]``."""
+    from .inputs import fused_decode_inputs, packed_decode_inputs
+    if op == "packed_decode":
+        return packed_decode_inputs(N, H, HV, K, V, seed=seed)
+    return fused_decode_inputs(N, H, HV, K, V, W=W, transposed_conv=False, seed=seed)
 
 
 def _call(op: str, layer: dict, backend=None):
     import kdakit
     L = layer
     if op == "packed_decode":
-        return lambda: kdakit.packed_decode(L["x"], L["a"], L["b"], L["A_log"], L["dt_bias"], L["state"], L["idx"],
-                                            L["out"], backend=backend)
-    return lambda: kdakit.fused_decode(L["x"], L["conv_weight"], L["conv_state"], L["a"], L["b"], L["A_log"],
-                                       L["dt_bias"], L["state"], L["idx"], norm_gate=L["gate"],
+        return lambda: kdakit.packed_decode(L["mixed"], L["a"], L["b"], L["A_log"], L["dt_bias"], L["state"],
+                                            L["idx"], L["out"], backend=backend)
+    return lambda: kdakit.fused_decode(L["qkv"], L["conv_weight"], L["conv_state"], L["a"], L["b"], L["A_log"],
+                                       L["dt_bias"], L["state"], L["idx"], norm_gate=L["norm_gate"],
                                        norm_weight=L["norm_weight"], out=L["out"], backend=backend)
 
 
@@ -82,11 +71,11 @@ def _check(op: str, layer: dict) -> float:
     ref_state = L["state"].double()
     ref_out = torch.empty(L["out"].shape, dtype=torch.float64, device="cuda")
     if op == "packed_decode":
-        reference.packed_decode(L["x"], L["a"], L["b"], L["A_log"], L["dt_bias"], ref_state, L["idx"], ref_out,
+        reference.packed_decode(L["mixed"], L["a"], L["b"], L["A_log"], L["dt_bias"], ref_state, L["idx"], ref_out,
                                 compute_dtype=torch.float64)
     else:
-        reference.fused_decode(L["x"], L["conv_weight"], L["conv_state"].clone(), L["a"], L["b"], L["A_log"],
-                               L["dt_bias"], ref_state, L["idx"], ref_out, norm_gate=L["gate"],
+        reference.fused_decode(L["qkv"], L["conv_weight"], L["conv_state"].clone(), L["a"], L["b"], L["A_log"],
+                               L["dt_bias"], ref_state, L["idx"], ref_out, norm_gate=L["norm_gate"],
                                norm_weight=L["norm_weight"], compute_dtype=torch.float64)
     before = {k: L[k].clone() for k in ("state", "conv_state") if k in L}
     _call(op, L)()

@@ -176,6 +176,21 @@ def parse_configs(text: str | None, config_type, base=None) -> list:
     return configs
 
 
+def config_groups(text: str | None, config_type, base=None) -> list[str]:
+    """``text``'s configs (:func:`parse_configs` syntax) one by one, each as its own text, for
+    callers that apply each to a config picked per shape (``parse_configs(group, config_type,
+    base=picked)[0]``) and name rows by it. Every group is parsed here first (against ``base``,
+    else the dataclass defaults), so that a wrong field fails before anything runs."""
+    groups = []
+    for group in (text or "").split(";"):
+        group = ",".join("=".join(x.strip() for x in p.partition("=")[::2]) if "=" in p else p.strip()
+                         for p in group.split(",") if p.strip())
+        if group:
+            parse_configs(group, config_type, base=base)
+            groups.append(group)
+    return groups
+
+
 def config_name(config, base=None) -> str:
     """A config's row name: the fields that differ from ``base`` (all of them without one)."""
     ref = base if base is not None else None

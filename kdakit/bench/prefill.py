@@ -44,33 +44,12 @@ def flops_per_token_head(K: int = K, V: int = V, C: int = C_NOMINAL) -> int:
 def make_layer(seqlens, H, HV, K=K, V=V, *, device="cuda", state_dtype=None, act_dtype=None, steep=False, seed=0):
     """Sequences of ``seqlens`` tokens flattened to ``[1, T, ...]``; a pool with spare slots
     (``2 N + 2``), the sequences on a random permutation of them. ``steep``: some channels
-    decay by about e^-20 a token (softplus(x) ~ x for the raw gate 6 + 2|x|)."""
+    decay by about e^-20 a token (softplus(x) ~ x for the raw gate 6 + 2|x|). The inputs
+    builder of kdakit/bench/inputs.py (``varlen_inputs``)."""
     import torch
-    state_dtype = state_dtype or torch.float32
-    act_dtype = act_dtype or torch.bfloat16
-    gen = torch.Generator(device=device).manual_seed(seed)
-    N = len(seqlens)
-    cu = torch.zeros(N + 1, dtype=torch.int32)
-    cu[1:] = torch.cumsum(torch.tensor(seqlens, dtype=torch.int32), 0)
-    T = int(cu[-1])
-    slots = 2 * N + 2
-
-    def rnd(*shape):
-        return torch.randn(*shape, device=device, generator=gen)
-
-    g = rnd(1, T, HV, K)
-    A_log = torch.rand(HV, device=device, generator=gen) * 2 - 1
-    dt_bias = rnd(HV * K) * 0.5
-    if steep:
-        g[..., : K // 8] = 6.0 + 2.0 * g[..., : K // 8].abs()
-    return {
-        "q": rnd(1, T, H, K).to(act_dtype), "k": rnd(1, T, H, K).to(act_dtype),
-        "v": rnd(1, T, HV, V).to(act_dtype), "g": g.to(act_dtype), "beta": rnd(1, T, HV).to(act_dtype),
-        "A_log": A_log, "dt_bias": dt_bias,
-        "state": (rnd(slots, HV, V, K) * 0.5).to(state_dtype),
-        "idx": torch.randperm(slots, device=device, generator=gen)[:N].to(torch.int32),
-        "cu": cu.to(device), "out": torch.empty(1, T, HV, V, device=device, dtype=act_dtype),
-    }
+    from .inputs import varlen_inputs
+    return varlen_inputs(seqlens, H, HV, K, V, state_dtype=state_dtype or torch.float32,
+                         act_dtype=act_dtype or torch.bfloat16, steep=steep, seed=seed, device=device)
 
 
 def kdakit_call(layer, lower_bound, backend=None):

@@ -167,7 +167,7 @@ class CommitRingConfig:
     the same tile as the verify, so a ring commit equals a snapshot commit bitwise);
     ``tiles``: recurrence tiles folded per program, in turn (the next one's state loading
     while this one folds); ``steps_ahead``: how far ahead each step's ring rows load (1 or 2).
-    A benchmark sweep passes its own (bench_mtp.py --commit-tiles <tiles>:<steps ahead>).
+    A benchmark sweep passes its own (bench_mtp.py --commit-configs 'tiles=2,steps_ahead=1').
     One tile, two steps ahead: results/mtp_commit_steps_ahead_repeat_h200.json, N = 64 / 256,
     4 steps 76.3 / 284 us against 79.6 / 306 one step ahead, 8 steps 94.9 / 336 against
     103.5 / 366; two tiles two ahead in between (mtp_commit_steps_ahead_h200.json likewise).

@@ -127,7 +127,7 @@ _mtp_verify = CachedKernel(_mtp_verify_kernel)
 
 
 # Bytes of float32 state rows per one-warp program of the verify recurrence: the pickers'
-# default (a benchmark sweep passes its own, ``benchmarks/bench_mtp.py --tile-bytes``).
+# default (a benchmark sweep passes its own, ``benchmarks/bench_mtp.py --configs``).
 RECURRENCE_TILE_BYTES = 4096
 
 
@@ -144,7 +144,7 @@ def recurrence_tile(V: int, K: int, tile_bytes: int = RECURRENCE_TILE_BYTES) -> 
 # Ring mode runs the chunk form above this many (request, value head, step) triples and the
 # recurrence at or below it (results/mtp_ring_forms_h200.json, H = 32: the recurrence wins at
 # N <= 16 with 2 steps and N <= 4 with 4 or 8; from N = 8 with 8 steps the chunk form is
-# 1.5x faster). The pickers' default (a benchmark sweep passes a config: bench_mtp.py --ring-sweep).
+# 1.5x faster). The pickers' default (a benchmark sweep passes a config: bench_mtp.py --ring-configs).
 RING_CHUNK_FORM_ABOVE = 1024
 
 

@@ -128,7 +128,7 @@ _verify_conv = CachedKernel(_verify_conv_kernel)
 class VerifyConvConfig:
     """Launch configuration of the conv prologue (``verify_conv_config`` picks it from the
     steps). Channels per program and warps: [steps, block_c] tiles (a benchmark sweep passes
-    its own: bench_mtp.py --conv-sweep); 64 channels on 2 warps and 128 on 4 tied from 2 to 4
+    its own: bench_mtp.py --conv-configs); 64 channels on 2 warps and 128 on 4 tied from 2 to 4
     steps, 64 on 2 was 7% faster at 8 (results/mtp_conv_coalesced_ab_h200.json).
     ``window_runs``: the windows after each step stored as whole runs (``_store_windows``),
     else tap by tap (``window_runs``)."""

@@ -1,0 +1,121 @@
+"""The benchmark scripts' built-in config sweeps parse into their op's config dataclass (on the
+CPU: the scripts import without a GPU), and the shared inputs builders' shapes."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kdakit.bench import harness, inputs
+
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+sys.path.insert(0, BENCH)
+
+import bench_fused_decode  # noqa: E402
+import bench_mtp  # noqa: E402
+import bench_packed_decode  # noqa: E402
+import bench_recurrent_forward  # noqa: E402
+
+from kdakit.ops.commit import CommitRingConfig  # noqa: E402
+from kdakit.ops.fused_decode import FusedDecodeConfig  # noqa: E402
+from kdakit.ops.mtp_verify import VerifyConfig, mtp_verify_config  # noqa: E402
+from kdakit.ops.packed_decode import PackedDecodeConfig, packed_decode_config  # noqa: E402
+from kdakit.ops.recurrent_forward import RecurrentForwardConfig  # noqa: E402
+from kdakit.ops.ring_verify import RingVerifyConfig  # noqa: E402
+from kdakit.ops.verify_conv import VerifyConvConfig  # noqa: E402
+
+
+def count(text):
+    return len([g for g in text.split(";") if g.strip()])
+
+
+def test_packed_decode_sweep_is_the_old_list():
+    groups = bench_packed_decode.sweep_groups(sweep=True)
+    assert len(groups) == count(bench_packed_decode.SWEEP) == 7
+    for sd in (4, 2):  # the HV = 32 pools it sweeps: float32 and bfloat16 (N >= 32)
+        configs = [harness.parse_configs(g, PackedDecodeConfig, base=packed_decode_config(128, 32, 128, 128, sd))[0]
+                   for g in groups]
+        assert configs == [PackedDecodeConfig(bv, t, 1, 1, "") for bv, t in ((4, 1), (4, 2), (8, 1), (8, 2), (8, 4),
+                                                                             (16, 1), (16, 2))]
+    assert bench_packed_decode.sweep_groups() == []
+
+
+def test_recurrent_forward_sweep_is_the_old_list():
+    groups = bench_recurrent_forward.config_groups(bench_recurrent_forward.SWEEP)
+    base = RecurrentForwardConfig(block_v=32, num_warps=4, v_tiles=3, prefetch_tile=False, tiles_first=True)
+    configs = [harness.parse_configs(g, RecurrentForwardConfig, base=base)[0] for g in groups]
+    assert configs == [RecurrentForwardConfig(*c) for c in ((16, 1, 1, 1), (8, 1, 1, 1), (8, 1, 2, 0), (8, 1, 4, 0),
+                                                            (4, 1, 2, 0), (4, 1, 4, 1), (8, 1, 2, 1), (8, 1, 4, 1))]
+
+
+def test_fused_decode_sweeps_parse():
+    bench_fused_decode.set_sweeps("one")
+    assert [bench_fused_decode.one_kernel_variant(g, 8) for g in bench_fused_decode.SWEEP][-1] == FusedDecodeConfig(
+        128, 1, 16)
+    assert len(bench_fused_decode.SWEEP) == 10 and not bench_fused_decode.CHAIN_SWEEP
+    bench_fused_decode.set_sweeps("chain")
+    probe = bench_fused_decode.make_probe()
+    configs = [bench_fused_decode.chain_config(part, g, probe) for part, g in bench_fused_decode.CHAIN_SWEEP]
+    assert [c for c in configs if isinstance(c, PackedDecodeConfig)] == [
+        PackedDecodeConfig(bv, t, 1, 1, "") for bv, t in ((2, 1), (4, 1), (8, 1), (16, 1), (8, 2), (4, 2))]
+    assert [(c.block_c, c.num_warps) for c in configs if not isinstance(c, PackedDecodeConfig)] == [
+        (128, 1), (512, 4), (1024, 4), (64, 1)]
+    norms = [bench_fused_decode.chain_config("norm", kw["norm"], probe) for kw in
+             bench_fused_decode.CHAIN_VARIANTS.values()]
+    assert [(c.rows, c.num_warps) for c in norms] == [(1, 1), (8, 4)]
+    bench_fused_decode.set_sweeps()
+    assert not bench_fused_decode.SWEEP and not bench_fused_decode.CHAIN_SWEEP and len(
+        bench_fused_decode.CHAIN_VARIANTS) == 2
+
+
+@pytest.mark.parametrize("name, config_type", [("SWEEP", VerifyConfig), ("RING_SWEEP", RingVerifyConfig),
+                                               ("CONV_SWEEP", VerifyConvConfig), ("COMMIT_SWEEP", CommitRingConfig)])
+def test_mtp_sweeps_parse(name, config_type):
+    text = getattr(bench_mtp, name)
+    assert len(bench_mtp.sweep_groups(text, config_type)) == count(text)
+
+
+def test_mtp_pickers_apply_the_fields_at_each_shape():
+    shapes = (64, 4, 32, 128, 128, -5.0)
+    picked = mtp_verify_config(*shapes)
+    ring = bench_mtp.verify_with(ring="state_block_v=32,state_warps=2", form="chunked")(*shapes)
+    assert ring.ring_form == "chunked" and (ring.ring.state_block_v, ring.ring.state_warps) == (32, 2)
+    assert ring.ring.steps_warps == picked.ring.steps_warps and ring.block_v == picked.block_v
+    tile = bench_mtp.verify_with("block_v=16")(*shapes)
+    commit = bench_mtp.commit_with(verify_group="block_v=16")(128, 128)
+    assert tile.block_v == commit.block_v == 16 and commit.num_warps == tile.num_warps
+    assert bench_mtp.commit_with("tiles=2,steps_ahead=1")(128, 128).tiles == 2
+
+
+def test_a_wrong_field_fails_before_anything_runs():
+    with pytest.raises(ValueError, match="not field=value"):
+        bench_mtp.sweep_groups("k_chunk=32", CommitRingConfig)
+    with pytest.raises(ValueError, match="true or false"):
+        bench_recurrent_forward.config_groups("prefetch_tile=2")
+
+
+@pytest.mark.parametrize("script", ["bench_packed_decode", "bench_packed_decode_helion", "bench_fused_decode",
+                                    "bench_mtp", "bench_recurrent_forward", "bench_launcher"])
+def test_scripts_parse_their_arguments_on_the_cpu(script):
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(BENCH))
+    done = subprocess.run([sys.executable, os.path.join(BENCH, f"{script}.py"), "--help"], capture_output=True,
+                          text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "--quick" in done.stdout or script == "bench_launcher"
+
+
+def test_inputs_builders_shapes():
+    L = inputs.packed_decode_inputs(3, 2, 4, 16, 32, device="cpu", seed=1)
+    assert L["mixed"].shape == (3, 2 * 2 * 16 + 4 * 32) and L["state"].shape == (6, 4, 32, 16)
+    assert L["out"].shape == (3, 1, 4, 32) and len(set(L["idx"].tolist())) == 3
+    L = inputs.fused_decode_inputs(3, 2, 4, 16, 32, device="cpu", transposed_conv=True)
+    assert L["conv_state"].shape == (6, 2 * 2 * 16 + 4 * 32, 3) and L["conv_state"].stride(1) == 1
+    L = inputs.varlen_inputs([2, 0, 3], 2, 4, 16, 32, device="cpu", slots=5)
+    assert L["cu"].tolist() == [0, 2, 2, 5] and L["state"].shape[0] == 5 and L["q"].shape == (1, 5, 2, 16)
+    L = inputs.mtp_verify_inputs(3, 4, 2, 4, 16, 32, conv=True, mode="ring", norm=True, ring_len=6, device="cpu")
+    assert L["rings"][0].shape == (8, 2, 6, 16) and L["rings"][2].dtype == torch.float32
+    assert L["intermediate_conv"][2].shape == (3, 4, 4 * 32, 3) and L["norm_gate"].shape == (3, 4, 4, 32)
+    a = inputs.packed_decode_inputs(2, 1, 2, 8, 8, device="cpu", seed=3)
+    b = inputs.packed_decode_inputs(2, 1, 2, 8, 8, device="cpu", seed=3)
+    assert all(torch.equal(a[k], b[k]) for k in a if k != "out")
