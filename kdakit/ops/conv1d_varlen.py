@@ -15,9 +15,12 @@ slot >= the pool's slot count of a sequence with tokens is counted once per call
 block 0.
 
 The kernel needs no host sync (no ``.item()``, no allocation that depends on data): its grid
-is (channel blocks, tiles of ``BLOCK_T`` tokens) from the shapes alone, and each program finds
-the sequence of each of its tokens by a binary search over ``cu_seqlens``. It can be captured
-in a CUDA graph.
+is (channel blocks x tiles of ``BLOCK_T`` tokens) from the shapes alone. Each program computes its
+tile from x alone, with 16-byte loads along x's contiguous axis (channels for ``[T, C]`` rows,
+tokens for the transposed view) and the taps picked from registers; one binary search over
+``cu_seqlens`` per tile tells whether a sequence start reaches its taps. Only the first ``W-1``
+tokens of each sequence need its window (or zeros): the program whose tile holds the sequence's
+first token computes them again, then writes the window. It can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
@@ -38,17 +41,18 @@ from .triton_math import count_bad_row
 
 
 @triton.jit
-def _count_below(cu_seqlens, N, v, step0):
-    """How many of ``cu_seqlens[0 .. N)`` are ``< v`` (offsets never decreasing): binary lifting
-    over the powers of two from ``step0`` (the largest one <= N) down. Loads stay inside
-    ``cu_seqlens[0 .. N)`` whatever the offsets hold."""
+def _count_below(cu_seqlens, N, v, BLOCK_N: tl.constexpr):
+    """How many of ``cu_seqlens[0 .. N)`` are ``< v`` (offsets never decreasing: the first ``count``),
+    ``BLOCK_N`` offsets a load: one round trip up to ``BLOCK_N`` sequences, where a binary search
+    waits for log2(N) loads one after another. Loads stay inside ``cu_seqlens[0 .. N)``."""
     count = v * 0
-    step = step0
-    while step > 0:
-        cand = count + step
-        val = tl.load(cu_seqlens + (tl.minimum(cand, N) - 1))
-        count = tl.where((cand <= N) & (val < v), cand, count)
-        step = step // 2
+    i = v * 0
+    while i < N:
+        offs = i + tl.arange(0, BLOCK_N)
+        in_range = offs < N
+        vals = tl.load(cu_seqlens + offs, mask=in_range, other=0)
+        count += tl.sum(((vals < v) & in_range).to(tl.int32), axis=0)
+        i += BLOCK_N
     return count
 
 
@@ -108,43 +112,45 @@ def _tap(cols, d: tl.constexpr, VEC: tl.constexpr):
 
 
 @triton.jit
-def _first_outputs(x, weight, bias, out, win, seq_start, n_first, old_taps, ch, mask_c,
+def _first_outputs(x, weight, bias, out, win, seq_start, n_first, old_taps, ch, C,
                    stride_x_t, stride_x_c, stride_out_t, stride_out_c, stride_conv_chan, stride_conv_tap,
-                   W: tl.constexpr, BLOCK_TAPS: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
+                   W: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
     """The outputs of a sequence's first ``n_first`` (<= W-1) tokens, whose taps reach back before
-    its first token: into its starting window ``win`` (taps below ``old_taps``), zeros past those."""
-    r = tl.arange(0, BLOCK_TAPS)
-    own = r < n_first
-    tok = seq_start + r
+    its first token: into its starting window ``win`` (taps below ``old_taps``), zeros past those.
+    A token at a time, so this path needs fewer registers than the tile."""
     ch64 = ch.to(tl.int64)
-    acc = tl.zeros([BLOCK_TAPS, ch.shape[0]], dtype=tl.float32)
-    for j in tl.static_range(W):
-        pos = tok - (W - 1) + j
-        in_x = r >= W - 1 - j                          # pos >= seq_start
-        val = tl.load(x + pos[:, None] * stride_x_t + ch64[None, :] * stride_x_c,
-                      mask=(own & in_x)[:, None] & mask_c[None, :], other=0.0).to(tl.float32)
-        if j < W - 1:
-            tap = r + j                                # index into the window, oldest first
-            from_win = tl.load(win + ch64[None, :] * stride_conv_chan + tap[:, None] * stride_conv_tap,
-                               mask=(own & (~in_x) & (tap < old_taps))[:, None] & mask_c[None, :],
-                               other=0.0).to(tl.float32)
-            val = tl.where(in_x[:, None], val, from_win)
-        acc += tl.load(weight + ch * W + j, mask=mask_c, other=0.0)[None, :] * val
-    if HAS_BIAS:
-        acc += tl.load(bias + ch, mask=mask_c, other=0.0)[None, :]
-    if SILU:
-        acc = acc * tl.sigmoid(acc)
-    tl.store(out + tok[:, None] * stride_out_t + ch64[None, :] * stride_out_c, acc.to(out.dtype.element_ty),
-             mask=own[:, None] & mask_c[None, :])
+    mask_c = ch < C
+    r = n_first * 0
+    while r < n_first:
+        tok = seq_start + r
+        acc = tl.zeros([ch.shape[0]], dtype=tl.float32)
+        for j in tl.static_range(W):
+            pos = tok - (W - 1) + j
+            in_x = pos >= seq_start
+            # scalar conditions folded into the channel bound: no block & scalar masks
+            val = tl.load(x + pos * stride_x_t + ch64 * stride_x_c, mask=ch < tl.where(in_x, C, 0),
+                          other=0.0).to(tl.float32)
+            if j < W - 1:
+                tap = r + j                            # index into the window, oldest first
+                from_win = tl.load(win + ch64 * stride_conv_chan + tap * stride_conv_tap,
+                                   mask=ch < tl.where((~in_x) & (tap < old_taps), C, 0), other=0.0).to(tl.float32)
+                val = tl.where(in_x, val, from_win)
+            acc += tl.load(weight + ch * W + j, mask=mask_c, other=0.0) * val
+        if HAS_BIAS:
+            acc += tl.load(bias + ch, mask=mask_c, other=0.0)
+        if SILU:
+            acc = acc * tl.sigmoid(acc)
+        tl.store(out + tok * stride_out_t + ch64 * stride_out_c, acc.to(out.dtype.element_ty), mask=mask_c)
+        r += 1
 
 
 @triton.jit
 def _causal_conv1d_varlen_kernel(
     x, conv_state, weight, bias, cu_seqlens, slot_indices, has_initial_state, out, errors,
-    T, C, N, num_slots, step0,
+    T, C, N, num_slots,
     stride_x_t, stride_x_c, stride_out_t, stride_out_c, stride_conv_slot, stride_conv_chan, stride_conv_tap,
     W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, VEC: tl.constexpr, BLOCK_TAPS: tl.constexpr,
-    TOKEN_MAJOR: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr, SILU: tl.constexpr, ERR_INDEX: tl.constexpr,
+    BLOCK_N: tl.constexpr, TOKEN_MAJOR: tl.constexpr, OUT_TOKENS_INNER: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr, SILU: tl.constexpr, ERR_INDEX: tl.constexpr,
 ):
     # One program per (block of channels, tile of BLOCK_T tokens), the tile held as
     # [BLOCK_C, BLOCK_T // VEC, VEC]: token t0 + VEC*b + e. Every thread holds whole vectors of
@@ -187,13 +193,13 @@ def _causal_conv1d_varlen_kernel(
 
     # Sequence starts that reach this tile's taps, in (t0 - (W-1), t0 + BLOCK_T): none in most
     # tiles, found by one search per tile; the starts that follow, when there are some, one by one.
-    lo = _count_below(cu_seqlens, N, t0 - (W - 2), step0)
+    lo = _count_below(cu_seqlens, N, t0 - (W - 2), BLOCK_N)
     busy = (lo < N) & (tl.load(cu_seqlens + tl.minimum(lo, N - 1)) < t0 + BLOCK_T)
     near = tok < 0
     end = lo
     first_owned = lo                                   # the first sequence starting at t0 or later
     if busy:
-        end = _count_below(cu_seqlens, N, t0 + BLOCK_T, step0)
+        end = _count_below(cu_seqlens, N, t0 + BLOCK_T, BLOCK_N)
         n = lo
         while n < end:
             start = tl.load(cu_seqlens + n)
@@ -219,8 +225,15 @@ def _causal_conv1d_varlen_kernel(
             acc = acc * tl.sigmoid(acc)
         ys = ys + (acc.to(out.dtype.element_ty),)
     y = tl.reshape(_rejoin(ys, BLOCK_C, NB, VEC), (BLOCK_C, BLOCK_T))
-    tl.store(out + ch[:, None].to(tl.int64) * stride_out_c + tok.to(tl.int64) * stride_out_t, y,
-             mask=(tok < T) & mask_c[:, None] & (~near))
+    out_ptrs = out + ch[:, None].to(tl.int64) * stride_out_c + tok.to(tl.int64) * stride_out_t
+    keep = (tok < T) & mask_c[:, None]
+    if OUT_TOKENS_INNER:  # a store vector spans tokens: a mask per token would split every one
+        if busy:
+            tl.store(out_ptrs, y, mask=keep & (~near))
+        else:
+            tl.store(out_ptrs, y, mask=keep)
+    else:
+        tl.store(out_ptrs, y, mask=keep & (~near))
 
     # The sequences whose first token is in this tile: their first W-1 tokens' outputs, then their
     # new windows (taps k = 0 .. W-2 are entries len+k of [old window (W-1), the sequence's inputs]).
@@ -241,9 +254,9 @@ def _causal_conv1d_varlen_kernel(
         if HAS_INIT_FLAGS:
             old_taps = tl.where(tl.load(has_initial_state + n).to(tl.int32) != 0, num_taps, 0)
         win = conv_state + slot * stride_conv_slot
-        _first_outputs(x, weight, bias, out, win, seq_start, tl.minimum(length, W - 1), old_taps, ch, mask_c,
+        _first_outputs(x, weight, bias, out, win, seq_start, tl.minimum(length, W - 1), old_taps, ch, C,
                        stride_x_t, stride_x_c, stride_out_t, stride_out_c, stride_conv_chan, stride_conv_tap,
-                       W, BLOCK_TAPS, HAS_BIAS, SILU)
+                       W, HAS_BIAS, SILU)
         src = length + k                               # [BLOCK_TAPS]
         pos = seq_start + src - (W - 1)
         win_rows = win + ch64[None, :] * stride_conv_chan
@@ -303,11 +316,11 @@ def causal_conv1d_varlen_triton(x, conv_state, weight, cu_seqlens, slot_indices,
         (cdiv(C, block_c) * cdiv(T, block_t), 1, 1),
         (x, conv_state, weight, bias if bias is not None else weight, cu_seqlens, slot_indices,
          has_initial_state if has_initial_state is not None else slot_indices, out, errors.counters(x.device),
-         T, C, N, conv_state.shape[0], 1 << max(N.bit_length() - 1, 0),
+         T, C, N, conv_state.shape[0],
          x.stride(0), x.stride(1), out.stride(0), out.stride(1),
          conv_state.stride(0), conv_state.stride(1), conv_state.stride(2)),
         dict(W=W, BLOCK_T=block_t, BLOCK_C=block_c, VEC=min(8, block_t), BLOCK_TAPS=next_power_of_2(W - 1),
-             TOKEN_MAJOR=cfg.token_major, HAS_BIAS=bias is not None, HAS_INIT_FLAGS=has_initial_state is not None, SILU=bool(activation),
+             BLOCK_N=256, TOKEN_MAJOR=cfg.token_major, OUT_TOKENS_INNER=out.stride(0) == 1 and T > 1, HAS_BIAS=bias is not None, HAS_INIT_FLAGS=has_initial_state is not None, SILU=bool(activation),
              ERR_INDEX=errors.INDEX["causal_conv1d_varlen"]),
         num_warps=num_warps, num_stages=1)
     return out
