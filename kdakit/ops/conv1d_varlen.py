@@ -150,7 +150,8 @@ def _causal_conv1d_varlen_kernel(
     T, C, N, num_slots,
     stride_x_t, stride_x_c, stride_out_t, stride_out_c, stride_conv_slot, stride_conv_chan, stride_conv_tap,
     W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, VEC: tl.constexpr, BLOCK_TAPS: tl.constexpr,
-    BLOCK_N: tl.constexpr, TOKEN_MAJOR: tl.constexpr, OUT_TOKENS_INNER: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr, SILU: tl.constexpr, ERR_INDEX: tl.constexpr,
+    BLOCK_N: tl.constexpr, TOKEN_MAJOR: tl.constexpr, OUT_TOKENS_INNER: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_INIT_FLAGS: tl.constexpr, SILU: tl.constexpr, ERR_INDEX: tl.constexpr,
 ):
     # One program per (block of channels, tile of BLOCK_T tokens), the tile held as
     # [BLOCK_C, BLOCK_T // VEC, VEC]: token t0 + VEC*b + e. Every thread holds whole vectors of
@@ -320,7 +321,8 @@ def causal_conv1d_varlen_triton(x, conv_state, weight, cu_seqlens, slot_indices,
          x.stride(0), x.stride(1), out.stride(0), out.stride(1),
          conv_state.stride(0), conv_state.stride(1), conv_state.stride(2)),
         dict(W=W, BLOCK_T=block_t, BLOCK_C=block_c, VEC=min(8, block_t), BLOCK_TAPS=next_power_of_2(W - 1),
-             BLOCK_N=256, TOKEN_MAJOR=cfg.token_major, OUT_TOKENS_INNER=out.stride(0) == 1 and T > 1, HAS_BIAS=bias is not None, HAS_INIT_FLAGS=has_initial_state is not None, SILU=bool(activation),
+             BLOCK_N=256, TOKEN_MAJOR=cfg.token_major, OUT_TOKENS_INNER=out.stride(0) == 1 and T > 1,
+             HAS_BIAS=bias is not None, HAS_INIT_FLAGS=has_initial_state is not None, SILU=bool(activation),
              ERR_INDEX=errors.INDEX["causal_conv1d_varlen"]),
         num_warps=num_warps, num_stages=1)
     return out
