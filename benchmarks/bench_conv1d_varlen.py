@@ -1,24 +1,33 @@
 """Varlen short conv (the extend path) on the GPU: correctness, then bandwidth against the copy ceiling.
 
-    python benchmarks/bench_conv1d_varlen.py [--quick] [--sweep]
+    python benchmarks/bench_conv1d_varlen.py [--quick] [--sweep] [--configs 'field=value,...;...'] [--name NAME]
 
 Checks first, at real sizes: the float64 reference (varlen batches with short and padding
 sequences, x as rows and as the transposed [C, T] view, transposed pools), a chain of one-token
 causal_conv1d_update calls (bitwise), and a CUDA-graph replay against eager (bitwise). Then
-times kdakit.causal_conv1d_varlen on C = 12288 channels (Kimi's q|k|v at H = HV = 32, K = V = 128),
-bf16, HBM-resident through harness.graph_time_us; bytes = x read once + out written once + the
-windows read and written. ``--sweep`` also times other (BLOCK_T, BLOCK_C, num_warps) configs.
+times kdakit.causal_conv1d_varlen at T = 8192 tokens (one sequence; 8 x 1024; mixed lengths;
+512 x 16, where every tile holds sequence starts) on C = 12288 channels (Kimi's q|k|v at
+H = HV = 32, K = V = 128), bf16, W = 4, x as rows and as the transposed view, the pool
+[slots, W-1, C] passed transposed; HBM-resident through harness.graph_time_us; bytes = x read
+once + out written once + the windows read and written; % of the device-to-device copy.
+
+``--configs``: Conv1dVarlenConfig variants timed besides the picked one, in harness.parse_configs
+syntax (fields not named keep the picked config's, per x layout); ``--sweep``: SWEEP below
+(per layout). Every variant's outputs and windows are compared bitwise with the picked config's.
+``--quick``: the 8 x 1024 case only.
 """
 from __future__ import annotations
 
 import argparse
+import sys
 
 import torch
 
 import kdakit
 from kdakit import reference
 from kdakit.bench import harness
-from kdakit.ops.conv1d_varlen import Conv1dVarlenConfig, causal_conv1d_varlen, causal_conv1d_varlen_triton
+from kdakit.ops.conv1d_varlen import (Conv1dVarlenConfig, causal_conv1d_varlen, causal_conv1d_varlen_triton,
+                                      conv1d_varlen_config)
 
 DEV = "cuda"
 BF16 = torch.bfloat16
@@ -112,27 +121,50 @@ def checks():
     return lines
 
 
-def bench(quick, sweep):
+# --sweep: Conv1dVarlenConfig fields changed from the picked config (harness.parse_configs syntax)
+SWEEP = {
+    "rows": "block_c=512,num_warps=2;block_c=2048,num_warps=8;block_t=16;block_t=4;token_major=true",
+    "transposed": "block_c=32;block_c=128;block_c=128,num_warps=8;block_t=128;block_t=128,num_warps=8;"
+                  "block_t=32,block_c=128;token_major=false",
+}
+T_TOKENS = 8192
+MIXED = [2900, 1, 17, 700, 2048, 64, 5, 1200, 3, 1254]  # 8192 tokens: long, short, shorter than W-1
+CASES = {"1x8192": [T_TOKENS], "8x1024": [1024] * 8, "mixed": MIXED, "512x16": [16] * 512}
+
+
+def bench(quick, sweep, configs_text):
     ceiling = harness.copy_ceiling_gbps()
     print(f"copy ceiling {ceiling:.0f} GB/s")
-    C = 12288
+    C, W = 12288, 4
     rows = []
-    cases = [(1, 4096), (8, 4096), (64, 4096), (8, 16384), (256, 256)] if not quick else [(8, 4096)]
-    configs = [None]
-    if sweep:
-        configs += [(32, 128, 4), (64, 64, 4), (64, 128, 4), (128, 64, 4), (32, 256, 4), (64, 128, 8), (16, 256, 4)]
-    for N, T in cases:
-        lengths = [T // N] * N
-        lengths[0] += T - sum(lengths)
+    assert sum(MIXED) == T_TOKENS
+    for case, lengths in CASES.items():
+        if quick and case != "8x1024":
+            continue
+        T, N = sum(lengths), len(lengths)
         for layout in ("rows", "transposed"):
-            nbytes = 2 * T * C * 2 + 2 * N * C * 3 * 2
+            nbytes = 2 * T * C * 2 + 2 * N * C * (W - 1) * 2
             L = harness.layers_for(nbytes, max_layers=64)
-            layers = [make(lengths, C, layout=layout, seed=s) for s in range(L)]
+            layers = [make(lengths, C, W, layout=layout, seed=s) for s in range(L)]
             outs = [torch.empty_like(x["x"]) for x in layers]
+            picked = conv1d_varlen_config(layers[0]["x"], C)
+            text = ";".join(t for t in (configs_text, SWEEP[layout] if sweep else None) if t)
+            configs = [picked] + [c for c in dict.fromkeys(harness.parse_configs(text, Conv1dVarlenConfig,
+                                                                                 base=picked)) if c != picked]
+            pool0 = layers[0]["conv_state"].clone()
+            first = None
             for cfg in configs:
-                us = harness.graph_time_us([lambda t=t, o=o, cfg=cfg: call(t, o, cfg and Conv1dVarlenConfig(*cfg))
-                                               for t, o in zip(layers, outs)])
-                r = harness.row(f"N={N} T={T} x {layout} cfg={cfg}", us, nbytes, ceiling)
+                arg = None if cfg == picked else cfg  # the picked one through the public entry
+                us = harness.graph_time_us([lambda t=t, o=o, c=arg: call(t, o, c) for t, o in zip(layers, outs)])
+                # one fresh call on layer 0 from the same pool: bits against the picked config's
+                layers[0]["conv_state"].copy_(pool0)
+                call(layers[0], outs[0], arg)
+                got = (outs[0].clone(), layers[0]["conv_state"].clone())
+                first = first or got
+                same = bool(torch.equal(got[0], first[0]) and torch.equal(got[1], first[1]))
+                name = f"{case} x {layout} " + ("picked" if cfg == picked else harness.config_name(cfg, picked))
+                r = harness.row(name, us, nbytes, ceiling, case=case, layout=layout, T=T, N=N, config=str(cfg),
+                                bitwise_as_picked=same)
                 rows.append(r)
                 print(r, flush=True)
             del layers, outs
@@ -144,16 +176,22 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true")
     p.add_argument("--sweep", action="store_true")
+    p.add_argument("--configs", default=None, help="Conv1dVarlenConfig variants besides the picked one, as "
+                   "'field=value,...;field=value' (fields not named keep the picked config's)")
+    p.add_argument("--name", default="conv1d_varlen_h200")
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    results = harness.new_results()
     for line in checks():
         print(line, flush=True)
-    rows = bench(args.quick, args.sweep)
-    results = harness.new_results()
-    results["rows"] = rows
+        results["checks"].append(line)
+    results["rows"] = bench(args.quick, args.sweep, args.configs)
     harness.close_results(results)
-    print(harness.save(results, "conv1d_varlen", args.out or harness.results_folder(__file__)))
+    harness.print_table(results["rows"], ["name", "us", "GB/s", "pct_of_copy", "bitwise_as_picked"])
+    print(harness.save(results, args.name + ("_quick" if args.quick else ""),
+                       args.out or harness.results_folder(__file__)))
+    return 0 if all(r["bitwise_as_picked"] for r in results["rows"]) else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -157,6 +157,36 @@ def test_tile_boundaries(lengths, config, W):
     check_case("reference", make_case(lengths, 20, W, padding=(), seed=len(lengths) + W))
 
 
+# Tiles of vectors of 1, 2, 4 and 8 tokens (taps from one to seven vectors back), one or several
+# vectors a tile, programs in token or channel order.
+TILE_SHAPES = [Conv1dVarlenConfig(1, 16, 1), Conv1dVarlenConfig(2, 16, 1, token_major=True),
+               Conv1dVarlenConfig(4, 8, 1), Conv1dVarlenConfig(16, 16, 2, token_major=True),
+               Conv1dVarlenConfig(32, 16, 1)]
+
+
+@pytest.mark.parametrize("W", [4, 8], ids=lambda w: f"W{w}")
+@pytest.mark.parametrize("x_layout", ["rows", "transposed"], ids=["x-TC", "x-CT-view"])
+def test_tile_shapes_agree_bitwise(W, x_layout):
+    """Every tile shape gives the float64 reference's numbers and the same bits as every other:
+    sequences of length 0, shorter than W-1, starting in every position of a vector and running
+    across tiles, a run of one-token sequences (a tile full of starts)."""
+    lengths = [5, 1, 0, 2, 9, 1, 1, 1, 3, 0, 6]
+    first = None
+    for config in TILE_SHAPES:
+        t = make_case(lengths, 16, W, act_dtype=BF16, x_layout=x_layout, pool_layout="transposed", padding=(2, 6),
+                      out_of_range=(8,), seed=60 + W)
+        got = (check_case("triton", t, config=config), t["conv_state"])
+        first = first or got
+        assert torch.equal(bits(got[0]), bits(first[0])) and torch.equal(bits(got[1]), bits(first[1])), config
+
+
+def test_tile_sizes_must_be_powers_of_two():
+    t = make_case([4, 5], 16, 4, seed=61)
+    for config in (Conv1dVarlenConfig(6, 16, 1), Conv1dVarlenConfig(8, 24, 1)):
+        with pytest.raises(ValueError, match="powers of two"):
+            run(t, "triton", config=config, out=torch.empty_like(t["x"]))
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_activation_off(backend):
     check_case(backend, make_case(MIXED, 16, 4, seed=12), activation=None)

@@ -15,9 +15,12 @@ slot >= the pool's slot count of a sequence with tokens is counted once per call
 block 0.
 
 The kernel needs no host sync (no ``.item()``, no allocation that depends on data): its grid
-is (channel blocks, tiles of ``BLOCK_T`` tokens) from the shapes alone, and each program finds
-the sequence of each of its tokens by a binary search over ``cu_seqlens``. It can be captured
-in a CUDA graph.
+is (channel blocks x tiles of ``BLOCK_T`` tokens) from the shapes alone. Each program computes its
+tile from x alone, with 16-byte loads along x's contiguous axis (channels for ``[T, C]`` rows,
+tokens for the transposed view) and the taps picked from registers; one binary search over
+``cu_seqlens`` per tile tells whether a sequence start reaches its taps. Only the first ``W-1``
+tokens of each sequence need its window (or zeros): the program whose tile holds the sequence's
+first token computes them again, then writes the window. It can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
@@ -38,115 +41,207 @@ from .triton_math import count_bad_row
 
 
 @triton.jit
-def _count_below(cu_seqlens, N, v, step0):
-    """How many of ``cu_seqlens[0 .. N)`` are ``< v`` (offsets never decreasing), for a scalar or a
-    block ``v``: binary lifting over the powers of two from ``step0`` (the largest one <= N) down.
-    Loads stay inside ``cu_seqlens[0 .. N)`` whatever the offsets hold."""
+def _count_below(cu_seqlens, N, v, BLOCK_N: tl.constexpr):
+    """How many of ``cu_seqlens[0 .. N)`` are ``< v`` (offsets never decreasing: the first ``count``),
+    ``BLOCK_N`` offsets a load: one round trip up to ``BLOCK_N`` sequences, where a binary search
+    waits for log2(N) loads one after another. Loads stay inside ``cu_seqlens[0 .. N)``."""
     count = v * 0
-    step = step0
-    while step > 0:
-        cand = count + step
-        val = tl.load(cu_seqlens + (tl.minimum(cand, N) - 1))
-        count = tl.where((cand <= N) & (val < v), cand, count)
-        step = step // 2
+    i = v * 0
+    while i < N:
+        offs = i + tl.arange(0, BLOCK_N)
+        in_range = offs < N
+        vals = tl.load(cu_seqlens + offs, mask=in_range, other=0)
+        count += tl.sum(((vals < v) & in_range).to(tl.int32), axis=0)
+        i += BLOCK_N
     return count
 
 
 @triton.jit
-def _sequence_of(cu_seqlens, N, tok, step0):
-    """The sequence of each token position (the last n < N with ``cu_seqlens[n] <= tok``; 0 for
-    positions before every offset) and its first token."""
-    seq = tl.maximum(_count_below(cu_seqlens, N, tok + 1, step0) - 1, 0)
-    return seq, tl.load(cu_seqlens + seq).to(tl.int64)
+def _halves(v, R: tl.constexpr, S: tl.constexpr, L: tl.constexpr):
+    """``v [R, S, L]`` -> its even and its odd entries along the last axis, each ``[R, S, L // 2]``."""
+    return tl.split(tl.reshape(v, (R, S, L // 2, 2)))
 
 
 @triton.jit
-def _conv_rows(x, conv_state, weight, bias, slot_indices, has_initial_state, out,
-               tok, seq, bos, own, ch, mask_c, num_slots,
-               stride_x_t, stride_x_c, stride_out_t, stride_out_c, stride_conv_slot, stride_conv_chan, stride_conv_tap,
-               W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr, SILU: tl.constexpr):
-    """The outputs of the token positions ``tok`` (a block; ``seq``, ``bos``: their sequences and
-    first tokens) where ``own``, for channels ``ch``."""
-    slot = tl.load(slot_indices + seq).to(tl.int64)
-    from_slot = (slot >= 0) & (slot < num_slots)
-    if HAS_INIT_FLAGS:
-        from_slot = from_slot & (tl.load(has_initial_state + seq).to(tl.int32) != 0)
-    tok64 = tok.to(tl.int64)
-    ch64 = ch.to(tl.int64)  # channel * stride passes 2**31 in a transposed x (stride T)
-    win_rows = conv_state + slot * stride_conv_slot                # [BLOCK_T] pointers, one slot per token
-    win_chan = ch64[None, :] * stride_conv_chan
-    acc = tl.zeros([tok.shape[0], ch.shape[0]], dtype=tl.float32)
-    # Taps summed oldest first, then x_t, then the bias: the order of the one-token conv
-    # (triton_math.conv_apply), so chaining causal_conv1d_update gives the same numbers.
-    for j in tl.static_range(W):
-        pos = tok64 - (W - 1) + j                      # the input this tap reads
-        in_x = pos >= bos                              # inside the sequence: x; before it: the window
-        x_mask = own & in_x & (pos >= 0)
-        val = tl.load(x + pos[:, None] * stride_x_t + ch64[None, :] * stride_x_c,
-                      mask=x_mask[:, None] & mask_c[None, :], other=0.0).to(tl.float32)
-        if j < W - 1:
-            tap_idx = pos - bos + (W - 1)              # index into the window, oldest first
-            w_mask = own & (~in_x) & from_slot & (tap_idx >= 0)
-            from_win = tl.load(win_rows[:, None] + win_chan + tap_idx[:, None] * stride_conv_tap,
-                               mask=w_mask[:, None] & mask_c[None, :], other=0.0).to(tl.float32)
-            val = tl.where(in_x[:, None], val, from_win)
-        w_j = tl.load(weight + ch * W + j, mask=mask_c, other=0.0)
-        acc += w_j[None, :] * val
-    if HAS_BIAS:
-        acc += tl.load(bias + ch, mask=mask_c, other=0.0)[None, :]
-    if SILU:
-        acc = acc * tl.sigmoid(acc)
-    tl.store(out + tok64[:, None] * stride_out_t + ch64[None, :] * stride_out_c, acc.to(out.dtype.element_ty),
-             mask=own[:, None] & mask_c[None, :])
+def _columns(v, R: tl.constexpr, S: tl.constexpr, VEC: tl.constexpr):
+    """``v [R, S, VEC]`` -> the tuple of its ``VEC`` columns ``v[:, :, e]``, each ``[R, S]``. The last
+    axis lies in each thread's registers, so the splits move no data between threads."""
+    if VEC == 1:
+        cols = (tl.reshape(v, (R, S)),)
+    elif VEC == 2:
+        c0, c1 = tl.split(v)
+        cols = (c0, c1)
+    elif VEC == 4:
+        e, o = _halves(v, R, S, 4)
+        c0, c2 = tl.split(e)
+        c1, c3 = tl.split(o)
+        cols = (c0, c1, c2, c3)
+    else:
+        e, o = _halves(v, R, S, 8)
+        ee, eo = _halves(e, R, S, 4)
+        oe, oo = _halves(o, R, S, 4)
+        c0, c4 = tl.split(ee)
+        c2, c6 = tl.split(eo)
+        c1, c5 = tl.split(oe)
+        c3, c7 = tl.split(oo)
+        cols = (c0, c1, c2, c3, c4, c5, c6, c7)
+    return cols
+
+
+@triton.jit
+def _rejoin(c, R: tl.constexpr, S: tl.constexpr, VEC: tl.constexpr):
+    """The inverse of ``_columns``: ``VEC`` columns ``[R, S]`` -> ``[R, S, VEC]``."""
+    if VEC == 1:
+        v = tl.reshape(c[0], (R, S, 1))
+    elif VEC == 2:
+        v = tl.join(c[0], c[1])
+    elif VEC == 4:
+        v = tl.reshape(tl.join(tl.join(c[0], c[2]), tl.join(c[1], c[3])), (R, S, 4))
+    else:
+        e = tl.reshape(tl.join(tl.join(c[0], c[4]), tl.join(c[2], c[6])), (R, S, 4))
+        o = tl.reshape(tl.join(tl.join(c[1], c[5]), tl.join(c[3], c[7])), (R, S, 4))
+        v = tl.reshape(tl.join(e, o), (R, S, 8))
+    return v
+
+
+@triton.jit
+def _tap(cols, d: tl.constexpr, VEC: tl.constexpr):
+    """The inputs ``d`` tokens after each vector's first (``d < 0``: in the vector ``q`` before,
+    ``cols[q]``), from ``cols`` as the tile's loads give them."""
+    return cols[(VEC - 1 - d) // VEC][d + (VEC - 1 - d) // VEC * VEC]
+
+
+@triton.jit
+def _first_outputs(x, weight, bias, out, win, seq_start, n_first, old_taps, ch, C,
+                   stride_x_t, stride_x_c, stride_out_t, stride_out_c, stride_conv_chan, stride_conv_tap,
+                   W: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
+    """The outputs of a sequence's first ``n_first`` (<= W-1) tokens, whose taps reach back before
+    its first token: into its starting window ``win`` (taps below ``old_taps``), zeros past those.
+    A token at a time, so this path needs fewer registers than the tile."""
+    ch64 = ch.to(tl.int64)
+    mask_c = ch < C
+    r = n_first * 0
+    while r < n_first:
+        tok = seq_start + r
+        acc = tl.zeros([ch.shape[0]], dtype=tl.float32)
+        for j in tl.static_range(W):
+            pos = tok - (W - 1) + j
+            in_x = pos >= seq_start
+            # scalar conditions folded into the channel bound: no block & scalar masks
+            val = tl.load(x + pos * stride_x_t + ch64 * stride_x_c, mask=ch < tl.where(in_x, C, 0),
+                          other=0.0).to(tl.float32)
+            if j < W - 1:
+                tap = r + j                            # index into the window, oldest first
+                from_win = tl.load(win + ch64 * stride_conv_chan + tap * stride_conv_tap,
+                                   mask=ch < tl.where((~in_x) & (tap < old_taps), C, 0), other=0.0).to(tl.float32)
+                val = tl.where(in_x, val, from_win)
+            acc += tl.load(weight + ch * W + j, mask=mask_c, other=0.0) * val
+        if HAS_BIAS:
+            acc += tl.load(bias + ch, mask=mask_c, other=0.0)
+        if SILU:
+            acc = acc * tl.sigmoid(acc)
+        tl.store(out + tok * stride_out_t + ch64 * stride_out_c, acc.to(out.dtype.element_ty), mask=mask_c)
+        r += 1
 
 
 @triton.jit
 def _causal_conv1d_varlen_kernel(
     x, conv_state, weight, bias, cu_seqlens, slot_indices, has_initial_state, out, errors,
-    T, C, N, num_slots, step0,
+    T, C, N, num_slots,
     stride_x_t, stride_x_c, stride_out_t, stride_out_c, stride_conv_slot, stride_conv_chan, stride_conv_tap,
-    W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_SPILL: tl.constexpr,
-    BLOCK_TAPS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr, SILU: tl.constexpr,
-    ERR_INDEX: tl.constexpr,
+    W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, VEC: tl.constexpr, BLOCK_TAPS: tl.constexpr,
+    BLOCK_N: tl.constexpr, TOKEN_MAJOR: tl.constexpr, OUT_TOKENS_INNER: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_INIT_FLAGS: tl.constexpr, SILU: tl.constexpr, ERR_INDEX: tl.constexpr,
 ):
-    # One program per (block of channels, tile of BLOCK_T tokens). Tiles ignore sequence
-    # boundaries; each token finds its sequence with a binary search over cu_seqlens.
+    # One program per (block of channels, tile of BLOCK_T tokens), the tile held as
+    # [BLOCK_C, BLOCK_T // VEC, VEC]: token t0 + VEC*b + e. Every thread holds whole vectors of
+    # VEC consecutive tokens of its channels, so the taps x[t-W+1 .. t] are register picks from its
+    # own vector and the vector(s) just before it (loaded shifted by VEC tokens: aligned, and L1
+    # hits but for the first). The compiler lays the tile out from the strides: with tokens
+    # contiguous (the transposed view) a thread's vector is one 16-byte load; with channels
+    # contiguous it is VEC loads of 8 channels each, the tile's tokens all in its registers.
     #
-    # The window rule (no race between programs): a sequence's old window is read by its first
-    # W-1 tokens (the outputs that reach back before the sequence) and, for a sequence shorter
-    # than W-1, by its new window. All of these belong to the one program whose tile holds the
-    # sequence's first token: a token t of sequence n with t - bos_n < W-1 is computed by the
-    # tile of bos_n, even when it lies in the next tile (the "spill" of at most W-2 tokens past
-    # this tile's end; BLOCK_T >= W-1 keeps it inside the next tile), and the next tile skips it.
-    # That program alone then writes the new window, after a barrier that orders its own reads of
-    # the old window before the stores. So every window has one reader and one writer, and reads
-    # come first. (Two sequences of one batch with the same live slot are outside the contract;
-    # full-check mode rejects them.) x is read-only and never aliases out.
-    i_c, i_t = tl.program_id(0), tl.program_id(1)
+    # Every token is first computed from x alone; that is its output unless its taps reach back
+    # before its sequence's first token (a token within W-1 of a sequence start: "near" it).
+    # The outputs of near tokens, and the windows, come from one program per sequence: the one
+    # whose tile holds the sequence's first token, which computes the sequence's first W-1 tokens
+    # (even those past its tile) from the old window, then, after a barrier that orders those
+    # reads before the stores, writes the new window. So every window has one reader and one
+    # writer, and reads come first. (Two sequences of one batch with the same live slot are outside
+    # the contract; full-check mode rejects them.) x is read-only and never aliases out.
+    pid = tl.program_id(0)
+    if TOKEN_MAJOR:  # consecutive programs: consecutive tiles of one channel block
+        num_tiles = tl.cdiv(T, BLOCK_T)
+        i_c, i_t = pid // num_tiles, pid % num_tiles
+    else:            # consecutive programs: the channel blocks of one tile
+        num_blocks = tl.cdiv(C, BLOCK_C)
+        i_c, i_t = pid % num_blocks, pid // num_blocks
+    NB: tl.constexpr = BLOCK_T // VEC
+    NQ: tl.constexpr = (W - 2 + VEC) // VEC            # vectors before each one that its taps reach
+    t0 = i_t * BLOCK_T
     ch = i_c * BLOCK_C + tl.arange(0, BLOCK_C)
     mask_c = ch < C
-    t0 = i_t * BLOCK_T
-    tok = t0 + tl.arange(0, BLOCK_T)
-    seq, bos = _sequence_of(cu_seqlens, N, tok, step0)
-    own = (tok < T) & ((tok - bos >= W - 1) | (bos >= t0))
-    _conv_rows(x, conv_state, weight, bias, slot_indices, has_initial_state, out, tok, seq, bos, own, ch, mask_c,
-               num_slots, stride_x_t, stride_x_c, stride_out_t, stride_out_c, stride_conv_slot,
-               stride_conv_chan, stride_conv_tap, W, HAS_BIAS, HAS_INIT_FLAGS, SILU)
-    if W > 2:  # the first W-1 tokens of sequences starting here that lie in the next tile
-        spill = t0 + BLOCK_T + tl.arange(0, BLOCK_SPILL)
-        seq_s, bos_s = _sequence_of(cu_seqlens, N, spill, step0)
-        own_s = (spill < T) & (spill < t0 + BLOCK_T + (W - 2)) & (spill - bos_s < W - 1) & (bos_s < t0 + BLOCK_T)
-        _conv_rows(x, conv_state, weight, bias, slot_indices, has_initial_state, out, spill, seq_s, bos_s, own_s, ch,
-                   mask_c, num_slots, stride_x_t, stride_x_c, stride_out_t, stride_out_c, stride_conv_slot,
-                   stride_conv_chan, stride_conv_tap, W, HAS_BIAS, HAS_INIT_FLAGS, SILU)
-    tl.debug_barrier()  # every read of an old window above happens before any store below
-    # New windows of the sequences whose first token is in this tile: taps k = 0 .. W-2 are
-    # entries len+k of [old window (W-1), the sequence's inputs (len)].
+    tok = t0 + tl.arange(0, BLOCK_T)[None, :]
+    x_chan = x + ch[:, None].to(tl.int64) * stride_x_c
+    # Loads as [BLOCK_C, BLOCK_T], the layout the compiler picks for the strides (16-byte vectors
+    # along the contiguous axis), then viewed as [BLOCK_C, NB, VEC], splitting the token axis.
+    cols = ()                                          # cols[q][e]: token t0 + VEC*(b-q) + e
+    for q in tl.static_range(NQ + 1):
+        tap_tok = tok - q * VEC
+        v = tl.load(x_chan + tap_tok.to(tl.int64) * stride_x_t,
+                    mask=(tap_tok >= 0) & (tap_tok < T) & mask_c[:, None], other=0.0)
+        cols = cols + (_columns(tl.reshape(v, (BLOCK_C, NB, VEC)), BLOCK_C, NB, VEC),)
+
+    # Sequence starts that reach this tile's taps, in (t0 - (W-1), t0 + BLOCK_T): none in most
+    # tiles, found by one search per tile; the starts that follow, when there are some, one by one.
+    lo = _count_below(cu_seqlens, N, t0 - (W - 2), BLOCK_N)
+    busy = (lo < N) & (tl.load(cu_seqlens + tl.minimum(lo, N - 1)) < t0 + BLOCK_T)
+    near = tok < 0
+    end = lo
+    first_owned = lo                                   # the first sequence starting at t0 or later
+    if busy:
+        end = _count_below(cu_seqlens, N, t0 + BLOCK_T, BLOCK_N)
+        n = lo
+        while n < end:
+            start = tl.load(cu_seqlens + n)
+            near = near | ((tok >= start) & (tok < start + (W - 1)))
+            first_owned += (start < t0).to(tl.int32)
+            n += 1
+
+    # Taps summed oldest first, then the bias: the order of the one-token conv
+    # (triton_math.conv_apply), so chaining causal_conv1d_update gives the same numbers.
+    w_taps = ()
+    for j in tl.static_range(W):
+        w_taps = w_taps + (tl.load(weight + ch * W + j, mask=mask_c, other=0.0)[:, None],)
+    if HAS_BIAS:
+        b = tl.load(bias + ch, mask=mask_c, other=0.0)[:, None]
+    ys = ()
+    for e in tl.static_range(VEC):
+        acc = tl.zeros([BLOCK_C, NB], dtype=tl.float32)
+        for j in tl.static_range(W):
+            acc += w_taps[j] * _tap(cols, e - (W - 1) + j, VEC).to(tl.float32)
+        if HAS_BIAS:
+            acc += b
+        if SILU:
+            acc = acc * tl.sigmoid(acc)
+        ys = ys + (acc.to(out.dtype.element_ty),)
+    y = tl.reshape(_rejoin(ys, BLOCK_C, NB, VEC), (BLOCK_C, BLOCK_T))
+    out_ptrs = out + ch[:, None].to(tl.int64) * stride_out_c + tok.to(tl.int64) * stride_out_t
+    keep = (tok < T) & mask_c[:, None]
+    if OUT_TOKENS_INNER:  # a store vector spans tokens: a mask per token would split every one
+        if busy:
+            tl.store(out_ptrs, y, mask=keep & (~near))
+        else:
+            tl.store(out_ptrs, y, mask=keep)
+    else:
+        tl.store(out_ptrs, y, mask=keep & (~near))
+
+    # The sequences whose first token is in this tile: their first W-1 tokens' outputs, then their
+    # new windows (taps k = 0 .. W-2 are entries len+k of [old window (W-1), the sequence's inputs]).
     k = tl.arange(0, BLOCK_TAPS)
     ch64 = ch.to(tl.int64)
-    n = _count_below(cu_seqlens, N, t0, step0)
-    n_end = _count_below(cu_seqlens, N, t0 + BLOCK_T, step0)
-    while n < n_end:
+    n = first_owned
+    while n < end:
         # Offsets clamped into [0, T], the end at least the start: whatever cu_seqlens holds (its
         # values are checked only with full checks), no tap reaches outside x or the window.
         seq_start = tl.minimum(tl.maximum(tl.load(cu_seqlens + n).to(tl.int64), 0), T)
@@ -159,16 +254,20 @@ def _causal_conv1d_varlen_kernel(
         old_taps = num_taps
         if HAS_INIT_FLAGS:
             old_taps = tl.where(tl.load(has_initial_state + n).to(tl.int32) != 0, num_taps, 0)
+        win = conv_state + slot * stride_conv_slot
+        _first_outputs(x, weight, bias, out, win, seq_start, tl.minimum(length, W - 1), old_taps, ch, C,
+                       stride_x_t, stride_x_c, stride_out_t, stride_out_c, stride_conv_chan, stride_conv_tap,
+                       W, HAS_BIAS, SILU)
         src = length + k                               # [BLOCK_TAPS]
         pos = seq_start + src - (W - 1)
-        win_rows = conv_state + slot * stride_conv_slot + ch64[None, :] * stride_conv_chan
+        win_rows = win + ch64[None, :] * stride_conv_chan
         from_x = tl.load(x + pos[:, None] * stride_x_t + ch64[None, :] * stride_x_c,
                          mask=((src >= W - 1) & (k < num_taps) & (pos >= 0) & (pos < T))[:, None] & mask_c[None, :],
                          other=0.0)
         from_old = tl.load(win_rows + src[:, None] * stride_conv_tap,
                            mask=(src < old_taps)[:, None] & mask_c[None, :], other=0.0)
         new = tl.where((src >= W - 1)[:, None], from_x.to(conv_state.dtype.element_ty), from_old)
-        tl.debug_barrier()  # a tap may be held by several threads: all read before any writes
+        tl.debug_barrier()  # every read of this slot's old window (above) before any store
         tl.store(win_rows + k[:, None] * stride_conv_tap, new, mask=(k < num_taps)[:, None] & mask_c[None, :])
         n += 1
 
@@ -179,25 +278,32 @@ _causal_conv1d_varlen = CachedKernel(_causal_conv1d_varlen_kernel)
 @dataclass(frozen=True)
 class Conv1dVarlenConfig:
     """Launch configuration of one call (``conv1d_varlen_config`` picks it from the shapes)."""
-    block_t: int            # tokens per tile (>= W - 1)
-    block_c: int            # channels per tile
+    block_t: int            # tokens per tile (a power of two)
+    block_c: int            # channels per tile (a power of two)
     num_warps: int = 4
+    token_major: bool = False   # programs in token order (the tiles of a channel block in a row)
 
 
 def conv1d_varlen_config(x: torch.Tensor, channels: int) -> Conv1dVarlenConfig:
-    """Pinned (no autotune) from x's layout and the channels. Tiles of 32 tokens x 128 channels
-    (4 KB of bf16 read and written per program, 4 warps); 64 tokens x 64 channels when x is the
-    transposed view (tokens contiguous), so each channel's run of a tile fills a 128-byte line."""
-    block_c = min(64 if x.stride(0) == 1 and x.shape[0] > 1 else 128, next_power_of_2(channels))
-    block_t = 64 if block_c == 64 else 32
-    return Conv1dVarlenConfig(block_t=block_t, block_c=block_c, num_warps=4)
+    """Pinned (no autotune) from x's layout and the channels.
+
+    Tokens contiguous (the transposed view): 64 tokens x 64 channels, 4 warps; each thread one
+    16-byte vector of 8 tokens, 8 threads one channel's 128-byte line; programs in token order, so
+    the programs in flight read long runs of each channel's row and the vector before a tile was
+    just read by the program before. Channels contiguous: 8 tokens x 1024 channels, 4 warps side by
+    side along the channels; each thread 8 channels (16 bytes) of the tile's 8 tokens; programs in
+    channel order (the tiles in flight read whole rows)."""
+    if x.stride(0) == 1 and x.shape[0] > 1:
+        return Conv1dVarlenConfig(block_t=64, block_c=min(64, next_power_of_2(channels)), num_warps=4,
+                                  token_major=True)
+    block_c = min(1024, next_power_of_2(channels))
+    return Conv1dVarlenConfig(block_t=8, block_c=block_c, num_warps=max(1, min(4, block_c // 256)))
 
 
 @register("causal_conv1d_varlen", "triton")
 def causal_conv1d_varlen_triton(x, conv_state, weight, cu_seqlens, slot_indices, out, *, has_initial_state=None,
                                 bias=None, activation=True, config: Conv1dVarlenConfig | None = None):
-    """``config`` overrides the pinned choice (``conv1d_varlen_config``; sweeps, tests);
-    ``block_t >= W - 1``."""
+    """``config`` overrides the pinned choice (``conv1d_varlen_config``; sweeps, tests)."""
     T, C = x.shape
     if T == 0:
         return out
@@ -205,19 +311,18 @@ def causal_conv1d_varlen_triton(x, conv_state, weight, cu_seqlens, slot_indices,
     N = cu_seqlens.numel() - 1
     cfg = config or conv1d_varlen_config(x, C)
     block_t, block_c, num_warps = cfg.block_t, cfg.block_c, cfg.num_warps
-    if block_t < W - 1:
-        raise ValueError(f"BLOCK_T={block_t} must be >= W-1={W - 1} (a sequence's window readers span two tiles "
-                         "at most).")
+    if not (block_t >= 1 and block_t & (block_t - 1) == 0 and block_c >= 1 and block_c & (block_c - 1) == 0):
+        raise ValueError(f"block_t={block_t} and block_c={block_c} must be powers of two.")
     _causal_conv1d_varlen(
-        (cdiv(C, block_c), cdiv(T, block_t), 1),
+        (cdiv(C, block_c) * cdiv(T, block_t), 1, 1),
         (x, conv_state, weight, bias if bias is not None else weight, cu_seqlens, slot_indices,
          has_initial_state if has_initial_state is not None else slot_indices, out, errors.counters(x.device),
-         T, C, N, conv_state.shape[0], 1 << max(N.bit_length() - 1, 0),
+         T, C, N, conv_state.shape[0],
          x.stride(0), x.stride(1), out.stride(0), out.stride(1),
          conv_state.stride(0), conv_state.stride(1), conv_state.stride(2)),
-        dict(W=W, BLOCK_T=block_t, BLOCK_C=block_c, BLOCK_SPILL=next_power_of_2(max(W - 2, 1)),
-             BLOCK_TAPS=next_power_of_2(W - 1), HAS_BIAS=bias is not None,
-             HAS_INIT_FLAGS=has_initial_state is not None, SILU=bool(activation),
+        dict(W=W, BLOCK_T=block_t, BLOCK_C=block_c, VEC=min(8, block_t), BLOCK_TAPS=next_power_of_2(W - 1),
+             BLOCK_N=256, TOKEN_MAJOR=cfg.token_major, OUT_TOKENS_INNER=out.stride(0) == 1 and T > 1,
+             HAS_BIAS=bias is not None, HAS_INIT_FLAGS=has_initial_state is not None, SILU=bool(activation),
              ERR_INDEX=errors.INDEX["causal_conv1d_varlen"]),
         num_warps=num_warps, num_stages=1)
     return out
