@@ -77,13 +77,14 @@ def tree_tap_position(parents_n, pos, hops: tl.constexpr, T: tl.constexpr, W: tl
 
 @triton.jit
 def _tree_conv_silu_steps(x, stride_x_t, window, stride_win_c, stride_win_w, weight, bias, ch, mask, live, dst,
-                          stride_dst_t, parents_n, T: tl.constexpr, W: tl.constexpr, BLOCK_T: tl.constexpr,
+                          stride_dst_t, parents_n, t0, T: tl.constexpr, W: tl.constexpr, BLOCK_T: tl.constexpr,
                           HAS_BIAS: tl.constexpr, WINDOW_RUNS: tl.constexpr):
     """``verify_conv._conv_silu_steps`` with each node's taps at its path's positions
     (``tree_tap_position``): [BLOCK_T, channels] SiLU(conv) of every node at once, taps summed
     oldest first, the same loads and sums (so a chain-shaped tree rounds as the chain does).
-    Without WINDOW_RUNS, taps 1 .. W-1 of node t are stored as they are read: its window."""
-    nodes = tl.arange(0, BLOCK_T)[:, None]
+    Nodes t0 .. t0 + BLOCK_T. Without WINDOW_RUNS, taps 1 .. W-1 of node t are stored as
+    they are read: its window."""
+    nodes = t0 + tl.arange(0, BLOCK_T)[:, None]
     pos0 = W - 1 + nodes  # tap W-1: the node's own input
     acc = tl.zeros_like(nodes.to(tl.float32) + ch[None, :].to(tl.float32))
     for j in tl.static_range(W):
@@ -101,12 +102,12 @@ def _tree_conv_silu_steps(x, stride_x_t, window, stride_win_c, stride_win_w, wei
 
 @triton.jit
 def _tree_store_windows(x, stride_x_t, window, stride_win_c, stride_win_w, c0, C, live, dst, stride_dst_t,
-                        parents_n, T: tl.constexpr, W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+                        parents_n, t0, T: tl.constexpr, W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
                         BLOCK_F: tl.constexpr):
     """``verify_conv._store_windows`` on the tree's positions: the windows after each node of
     channels c0 .. c0 + BLOCK_C as the contiguous runs they are in ``dst``; flat element f is
     window tap f % (W-1) of channel f // (W-1), conv tap 1 + f % (W-1) of the node."""
-    nodes = tl.arange(0, BLOCK_T)[:, None]
+    nodes = t0 + tl.arange(0, BLOCK_T)[:, None]
     pos0 = W - 1 + nodes
     f = tl.arange(0, BLOCK_F)
     c = c0 + f // (W - 1)
@@ -129,14 +130,20 @@ def _tree_conv_part(x, window, weight, bias, inter, post, parents_n, s_win_slot,
     mask = ch < C
     x_n = x + n64 * T * C                      # this request's node 0, channel 0
     win = window + slot * s_win_slot
-    y = _tree_conv_silu_steps(x_n, C, win, s_win_c, s_win_w, weight, bias, ch, mask, live, inter + row * s_inter_row,
-                              s_inter_t, parents_n, T, W, BLOCK_T, HAS_BIAS, WINDOW_RUNS)
-    nodes = tl.arange(0, BLOCK_T)
-    tl.store(post + (n64 * T + nodes[:, None]) * C + ch[None, :], y.to(post.dtype.element_ty),
-             mask=(nodes < T)[:, None] & mask[None, :])
-    if WINDOW_RUNS:
-        _tree_store_windows(x_n, C, win, s_win_c, s_win_w, i_c * BLOCK_C, C, live, inter + row * s_inter_row,
-                            s_inter_t, parents_n, T, W, BLOCK_T, BLOCK_C, BLOCK_F)
+    # Blocks of BLOCK_T nodes in turn: every node's taps come from the parents row and the
+    # inputs, never from another node's results, so a block's tiles need not hold every node
+    # (16 nodes in one [16, 64] tile spilled: 255 registers, 254 B of spills; as two blocks of 8,
+    # 225 registers and none: ptxas, sm_90, H = 32, K = V = 128).
+    for t0 in tl.static_range(0, T, BLOCK_T):
+        y = _tree_conv_silu_steps(x_n, C, win, s_win_c, s_win_w, weight, bias, ch, mask, live,
+                                  inter + row * s_inter_row, s_inter_t, parents_n, t0, T, W, BLOCK_T, HAS_BIAS,
+                                  WINDOW_RUNS)
+        nodes = t0 + tl.arange(0, BLOCK_T)
+        tl.store(post + (n64 * T + nodes[:, None]) * C + ch[None, :], y.to(post.dtype.element_ty),
+                 mask=(nodes < T)[:, None] & mask[None, :])
+        if WINDOW_RUNS:
+            _tree_store_windows(x_n, C, win, s_win_c, s_win_w, i_c * BLOCK_C, C, live, inter + row * s_inter_row,
+                                s_inter_t, parents_n, t0, T, W, BLOCK_T, BLOCK_C, BLOCK_F)
 
 
 @triton.jit
@@ -179,15 +186,17 @@ _tree_conv = CachedKernel(_tree_conv_kernel)
 class TreeConvConfig:
     """Launch configuration of the tree conv: the chain prologue's (``VerifyConvConfig``:
     channels per program, warps, windows stored as runs or tap by tap; not tuned for trees).
-    ``window_runs=None``: as the chain prologue picks it for the node count (``window_runs``)."""
+    ``window_runs=None``: as the chain prologue picks it for the node count (``window_runs``).
+    ``block_t``: nodes a tile (a power of 2), blocks of them in turn."""
     block_c: int = 64
     num_warps: int = 2
     window_runs: bool | None = None
+    block_t: int = 8
 
 
 def _constexprs(C_QK, C_V, T, W, cfg, has_bias, launch_dependents):
     runs = window_runs(T) if cfg.window_runs is None else bool(cfg.window_runs)
-    return dict(C_QK=C_QK, C_V=C_V, T=T, W=W, BLOCK_T=next_power_of_2(T), BLOCK_C=cfg.block_c,
+    return dict(C_QK=C_QK, C_V=C_V, T=T, W=W, BLOCK_T=min(next_power_of_2(T), cfg.block_t), BLOCK_C=cfg.block_c,
                 BLOCK_F=next_power_of_2(cfg.block_c * (W - 1)), HAS_BIAS=has_bias, WINDOW_RUNS=runs,
                 LAUNCH_DEPENDENTS=bool(launch_dependents))
 
