@@ -19,7 +19,41 @@ from ..backends import register, select
 from .commit import _load_ring_step, check_commit_ring
 from .launch import CachedKernel, cdiv, next_power_of_2
 from .mtp_verify import recurrence_tile
-from .triton_math import count_bad_row, delta_rule_update, l2_normalize
+from .triton_math import count_bad_row, delta_rule_update, l2_normalize, mask_if
+
+
+@triton.jit
+def _path_node(nodes, j, BLOCK_P: tl.constexpr):
+    """Entry ``j`` of the path vector ``nodes`` (0 past its end; the load it feeds is masked there)."""
+    return tl.sum(tl.where(tl.arange(0, BLOCK_P) == j, nodes, 0), axis=0)
+
+
+@triton.jit
+def _fold_path_steps(S, p_k, p_v, p_g, p_b, nodes, num, mask_k, mask_v, K: tl.constexpr, V: tl.constexpr,
+                     BLOCK_P: tl.constexpr, USE_QK_L2NORM: tl.constexpr):
+    """Fold the ring entries of the path's first ``num`` nodes into the tile S, root first:
+    ``commit._fold_ring_steps`` (two steps ahead) with ring position ``nodes[j]`` for step ``j``.
+    Each node's ring rows load two steps before it folds and its k is normalised while the
+    step before folds, so neither the loads nor the norm's reduction sit on the chain of state
+    updates (the path's node ids come from registers: no load feeds another). The same loads
+    and device functions as the verify, in the same order, so the same bits."""
+    k_n, v_n, g_n, beta_n = _load_ring_step(p_k, p_v, p_g, p_b, _path_node(nodes, 0, BLOCK_P), num > 0, mask_k,
+                                            mask_v, K, V)
+    k_nn, v_nn, g_nn, beta_nn = _load_ring_step(p_k, p_v, p_g, p_b, _path_node(nodes, 1, BLOCK_P), num > 1,
+                                                mask_k, mask_v, K, V)
+    if USE_QK_L2NORM:
+        k_n = l2_normalize(k_n)
+    t = 0
+    while t < num:  # a loaded bound: `while` runs in the interpreter and compiled alike
+        k_t, v_t, g_t, beta_t = k_n, v_n, g_n, beta_n
+        k_n, v_n, g_n, beta_n = k_nn, v_nn, g_nn, beta_nn
+        k_nn, v_nn, g_nn, beta_nn = _load_ring_step(p_k, p_v, p_g, p_b, _path_node(nodes, t + 2, BLOCK_P),
+                                                    t + 2 < num, mask_k, mask_v, K, V)
+        S = delta_rule_update(S, k_t, v_t, g_t, beta_t)
+        if USE_QK_L2NORM:
+            k_n = l2_normalize(k_n)
+        t += 1
+    return S
 
 
 @triton.jit
@@ -28,7 +62,8 @@ def _commit_tree_ring_kernel(
     s_state_slot, s_rk_slot, s_rv_slot, s_rg_slot, s_rb_slot, s_path_n, ring_len, path_len, num_slots,
     null_block_id,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, USE_QK_L2NORM: tl.constexpr, ERR_INDEX: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_P: tl.constexpr, USE_QK_L2NORM: tl.constexpr,
+    ERR_INDEX: tl.constexpr,
 ):
     # One program: one recurrence tile (the verify's) of one (request, value head).
     i_v, i_hv, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -43,34 +78,26 @@ def _commit_tree_ring_kernel(
     in_pool = slot < num_slots
     active = claimed & in_pool & (steps > 0)
     num = tl.where(active, tl.minimum(steps, path_len), 0)
-    path = paths + i_n.to(tl.int64) * s_path_n
-    j = 0
-    while j < num:  # every node of the path inside the rings, else the request is skipped
-        node = tl.load(path + j).to(tl.int64)
-        active = active & (node >= 0) & (node < ring_len)
-        j += 1
+    # The path's nodes as one vector (BLOCK_P >= path_len): every node of it inside the rings,
+    # else the request is skipped.
+    offs_p = tl.arange(0, BLOCK_P)
+    on_path = offs_p < num
+    nodes = tl.load(paths + i_n.to(tl.int64) * s_path_n + offs_p, mask=on_path, other=0).to(tl.int64)
+    outside = tl.sum((on_path & ((nodes < 0) | (nodes >= ring_len))).to(tl.int32), axis=0)
+    active = active & (outside == 0)
     # A claimed slot past the pool, or an accepted path with a node outside the rings: one
     # count per request, by its value head 0, V tile 0 program.
     count_bad_row(errors, (claimed & ~in_pool | (num > 0) & ~active) & (i_v == 0) & (i_hv == 0), ERR_INDEX)
-    num = tl.where(active, num, 0)
+    num = tl.where(active, num, 0).to(tl.int32)
     slot = tl.where(active, slot, 0)
-    mask_s = (offs_v < tl.where(active, V, 0))[:, None] & mask_k[None, :]  # the scalar folded into the bound
+    mask_s = mask_if(mask_v[:, None] & mask_k[None, :], active)
     p_k = ring_k + slot * s_rk_slot + i_h * ring_len * K + offs_k
     p_v = ring_v + slot * s_rv_slot + i_hv * ring_len * V + offs_v
     p_g = ring_g + slot * s_rg_slot + i_hv * ring_len * K + offs_k
     p_b = ring_beta + slot * s_rb_slot + i_hv * ring_len
     s_ptrs = state + slot * s_state_slot + i_hv * V * K + offs_v[:, None] * K + offs_k[None, :]
     S = tl.load(s_ptrs, mask=mask_s, other=0.0).to(tl.float32)
-    j = 0
-    while j < num:
-        node = tl.load(path + j).to(tl.int64)
-        # live=True: an inactive request never enters this loop (num = 0); a constant, as a
-        # block & scalar mask is what Triton 3.9 rejects
-        k_t, v_t, g_t, beta_t = _load_ring_step(p_k, p_v, p_g, p_b, node, True, mask_k, mask_v, K, V)
-        if USE_QK_L2NORM:
-            k_t = l2_normalize(k_t)
-        S = delta_rule_update(S, k_t, v_t, g_t, beta_t)
-        j += 1
+    S = _fold_path_steps(S, p_k, p_v, p_g, p_b, nodes, num, mask_k, mask_v, K, V, BLOCK_P, USE_QK_L2NORM)
     tl.store(s_ptrs, S.to(state.dtype.element_ty), mask=mask_s)
 
 
@@ -93,7 +120,8 @@ def commit_tree_ring_triton(state, ring_k, ring_v, ring_g, ring_beta, slot_indic
          ring_k.stride(0), ring_v.stride(0), ring_g.stride(0), ring_beta.stride(0), paths.stride(0), ring_len,
          paths.shape[1], state.shape[0], int(null_block_id)),
         dict(H=H, HV=HV, K=K, V=V, BLOCK_K=next_power_of_2(K), BLOCK_V=block_v,
-             USE_QK_L2NORM=bool(use_qk_l2norm), ERR_INDEX=errors.INDEX["commit_tree_ring"]), num_warps=num_warps, num_stages=1)
+             BLOCK_P=max(2, next_power_of_2(paths.shape[1])), USE_QK_L2NORM=bool(use_qk_l2norm),
+             ERR_INDEX=errors.INDEX["commit_tree_ring"]), num_warps=num_warps, num_stages=1)
 
 
 @register("commit_tree_ring", "reference")

@@ -42,7 +42,7 @@ from .launch import CachedKernel, cdiv, next_power_of_2, pdl_available
 from .mtp_verify import VerifyConfig, _load_step, check_mtp_verify, recurrence_tile, ring_form
 from .ring_verify import MAX_TREE_NODES, ring_verify, ring_verify_config
 from .tree_conv import count_invalid_parents, load_tree_parents, tree_conv, tree_parent
-from .triton_math import count_bad_rows, delta_rule_update, l2_normalize
+from .triton_math import count_bad_rows, delta_rule_update, l2_normalize, mask_if
 
 
 @triton.jit
@@ -112,14 +112,20 @@ def _tree_verify_kernel(
             count_bad_rows(errors, n_bad, ERR_INDEX)
     slot = tl.where(live, slot, 0)
     row = tl.where(live, row, 0)
-    # the scalars folded into the bounds (Triton 3.9 rejects block & scalar masks)
-    mask_s = (offs_v < tl.where(live, V, 0))[:, None] & mask_k[None, :]
-    mask_v_live = offs_v < tl.where(live, V, 0)
-    mask_k_head = offs_k < tl.where(live & (i_v == 0), K, 0)                   # g, β: V tile 0 of the head
-    mask_k_key_head = offs_k < tl.where(live & (i_v == 0) & (i_hv % G == 0), K, 0)  # k: the group's first head
-    tile = i_hv * V * K + offs_v[:, None] * K + offs_k[None, :]
-    s_ptrs = state + slot * stride_state_slot + tile
-    snap_ptrs = snapshots + row * s_snap_row + tile
+    # The scalars as selects (mask_if: Triton 3.9 rejects block & scalar masks), as the chain
+    # verify writes them: with K and V whole tiles the state's mask folds to one predicate, where
+    # a bound compare (offs_v < where(live, V, 0)) kept a predicate a row (16 more registers).
+    mask_s = mask_if(mask_v[:, None] & mask_k[None, :], live)
+    mask_v_live = mask_if(mask_v, live)
+    mask_k_head = mask_if(mask_k, live & (i_v == 0))                      # g, β: V tile 0 of the head
+    mask_k_key_head = mask_if(mask_k, live & (i_v == 0) & (i_hv % G == 0))  # k: the group's first head
+    # Pointers as scalar bases plus the tile's int32 offsets, each pointer block formed where it
+    # is used: [BLOCK_V, BLOCK_K] blocks of 64-bit pointers kept across the node loop (one to
+    # reload the committed tile, one for the snapshots) held 2 registers an element each.
+    tile = offs_v[:, None] * K + offs_k[None, :]
+    state_h = state + slot * stride_state_slot + i_hv * V * K   # this head's committed [V, K] block
+    snap_h = snapshots + row * s_snap_row + i_hv * V * K        # its node-0 snapshot block
+    s_ptrs = state_h + tile
     S = tl.load(s_ptrs, mask=mask_s, other=0.0).to(tl.float32)
 
     n64 = i_n.to(tl.int64)
@@ -138,9 +144,8 @@ def _tree_verify_kernel(
                      lower_bound, T, H, HV, K, V, SAFE_GATE)
     for t in tl.static_range(T):
         q_t, k_t, v_t, g_t, beta_t = nxt
-        if t + 1 < T:
-            nxt = _load_step(x_q, x_k, x_v, a, b, t + 1, n64, i_hv, ch_qk, ch_v, offs_k, mask_k, mask_v, bias,
-                             A_log_h, lower_bound, T, H, HV, K, V, SAFE_GATE)
+        # Node t's starting tile first, then the next node's inputs (in this order the
+        # unrolled loop holds 96 registers, not 128: ptxas, sm_90, K = V = 128).
         if t > 0:
             p = tree_parent(par, t, BLOCK_T)  # an invalid parent starts from the committed state
             if p != t - 1:
@@ -148,13 +153,13 @@ def _tree_verify_kernel(
                     S = _refold_path(S, s_ptrs, mask_s, par, p, x_q, x_k, x_v, a, b, n64, i_hv, ch_qk,
                                      ch_v, offs_k, mask_k, mask_v, bias, A_log_h, lower_bound, T, H, HV, K, V,
                                      SAFE_GATE, BLOCK_T)
-                else:
-                    # Another thread of this program may have stored the elements this one reloads.
-                    tl.debug_barrier()
-                    if p < 0:
-                        S = tl.load(s_ptrs, mask=mask_s, other=0.0).to(tl.float32)
-                    else:
-                        S = tl.load(snap_ptrs + p * s_snap_t, mask=mask_s, other=0.0).to(tl.float32)
+                elif p < 0:
+                    S = tl.load(state_h + tile, mask=mask_s, other=0.0).to(tl.float32)
+                else:  # stored by this program, behind the barrier after each snapshot store
+                    S = tl.load(snap_h + p * s_snap_t + tile, mask=mask_s, other=0.0).to(tl.float32)
+        if t + 1 < T:
+            nxt = _load_step(x_q, x_k, x_v, a, b, t + 1, n64, i_hv, ch_qk, ch_v, offs_k, mask_k, mask_v, bias,
+                             A_log_h, lower_bound, T, H, HV, K, V, SAFE_GATE)
         if RING:  # the raw per-node inputs of the commit's replay
             tl.store(ring_k + slot * s_rk_slot + (i_h * ring_len + t) * K + offs_k, k_t.to(ring_k.dtype.element_ty),
                      mask=mask_k_key_head)
@@ -169,7 +174,12 @@ def _tree_verify_kernel(
         o = tl.where(live, tl.sum(S * q_hat[None, :], axis=1), 0.0)
         tl.store(out + ((n64 * T + t) * HV + i_hv) * V + offs_v, o.to(out.dtype.element_ty), mask=mask_v)
         if not RING:
-            tl.store(snap_ptrs + t * s_snap_t, S.to(snapshots.dtype.element_ty), mask=mask_s)
+            tl.store(snap_h + t * s_snap_t + tile, S.to(snapshots.dtype.element_ty), mask=mask_s)
+            if t + 1 < T:
+                # A later node may reload this snapshot, and another thread of the program may
+                # have stored elements that one reloads. After every store rather than before each
+                # reload: a barrier inside the reload branch held 128 registers instead of 96.
+                tl.debug_barrier()
 
 
 _tree_verify = CachedKernel(_tree_verify_kernel)
