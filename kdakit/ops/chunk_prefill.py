@@ -88,6 +88,7 @@ from .triton_math import count_bad_row, kda_log_decay
 
 CHUNK_SIZE = 64  # tokens per chunk on the GPU (prefix-cache boundaries come every CHUNK_SIZE tokens)
 SUB = 16  # sub-block of a chunk: the tensor-core tile and the unit of exact in-block decays
+SAFE_SPREAD_MAX = 80.0  # safe gate: sub-blocks factored up to this spread (16 tokens at the -5 bound)
 
 BETA_AS_IS, BETA_SIGMOID, BETA_SIGMOID_X2 = 0, 1, 2  # β as given, sigmoid of a logit, 2·sigmoid (fla's allow_neg_eigval)
 
@@ -104,7 +105,7 @@ class ChunkConfig:
     pipeline_stages: int = 2         # state kernel: chunks whose factors are in flight at once (1: none ahead)
     factor_spread_max: float = 60.0  # a sub-block's in-block pairs are one product where its log-decay
     #                                  spread is at most this (e^60 is far inside float32); steeper: exact
-    factor_safe_gate: bool = True    # False: under the safe gate, exact in-sub-block decays everywhere
+    factor_safe_gate: bool = True    # safe gate: factored up to SAFE_SPREAD_MAX (False: exact everywhere)
     chain_pieces: int = 1            # the state chain of each sequence cut into this many pieces (> 1: three
     #                                  launches; fills the GPU for one long sequence with few heads)
     split_prep: bool = False         # the prep as three launches (token-parallel; exact in-sub-block
@@ -600,7 +601,10 @@ def chunk_prefill_triton(q, k, v, g, beta, state, slot_indices, out, *, cu_seqle
     ws_a = torch.empty(rows, C, dtype=torch.float32, device=dev)
     ws_g = torch.empty(max_chunks * HV, BK, dtype=torch.float32, device=dev)
     gate = A_log is not None
-    spread_max = cfg.factor_spread_max if lower_bound is None or cfg.factor_safe_gate else -1.0
+    if lower_bound is None:
+        spread_max = cfg.factor_spread_max
+    else:  # a sub-block's spread is below 16 |lower_bound|: up to e^80 (|lower_bound| <= 5), all factored
+        spread_max = max(cfg.factor_spread_max, SAFE_SPREAD_MAX) if cfg.factor_safe_gate else -1.0
     prep_args = (q, k, v, g, beta, A_log if gate else q, dt_bias if gate else q, cu_seqlens, first, seq,
                  ws_q, ws_k, ws_w, ws_u, ws_p, ws_a, ws_g, N, T,
                  q.stride(1), q.stride(2), k.stride(1), k.stride(2), v.stride(1), v.stride(2), g.stride(1),
