@@ -123,7 +123,8 @@ def checks():
 
 # --sweep: Conv1dVarlenConfig fields changed from the picked config (harness.parse_configs syntax)
 SWEEP = {
-    "rows": "block_c=512,num_warps=2;block_c=2048,num_warps=8;block_t=16;block_t=4;token_major=true",
+    "rows": "block_c=512,num_warps=2;block_c=2048,num_warps=8;block_t=16;block_t=4;token_major=true;"
+            "block_t=32,block_c=256;block_t=16,block_c=512",
     "transposed": "block_c=32;block_c=128;block_c=128,num_warps=8;block_t=128;block_t=128,num_warps=8;"
                   "block_t=32,block_c=128;token_major=false",
 }
