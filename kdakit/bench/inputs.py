@@ -28,6 +28,14 @@ def _rng(seed: int, device):
     return rnd, uniform, perm
 
 
+def _decode_step(rnd, uniform, perm, N, HV, K, V, slots, act_dtype, state_dtype) -> dict:
+    """The gate and β inputs, gate parameters, state pool and slots of one decode step (drawn in
+    this order, so that every builder that calls it draws the same way)."""
+    return {"a": rnd(N, HV * K).to(act_dtype), "b": rnd(N, HV).to(act_dtype), "A_log": uniform(HV) * 2 - 1,
+            "dt_bias": rnd(HV * K) * 0.5, "state": (rnd(slots, HV, V, K) * 0.5).to(state_dtype),
+            "idx": perm(slots)[:N].to(torch.int32)}
+
+
 def _spare(N, slots, spare_slots):
     if slots is not None:
         return slots
@@ -43,12 +51,7 @@ def packed_decode_inputs(N, H, HV, K, V, *, state_dtype=torch.float32, act_dtype
     slots = _spare(N, slots, spare_slots)
     return {
         "mixed": rnd(N, 2 * H * K + HV * V).to(act_dtype),
-        "a": rnd(N, HV * K).to(act_dtype),
-        "b": rnd(N, HV).to(act_dtype),
-        "A_log": uniform(HV) * 2 - 1,
-        "dt_bias": rnd(HV * K) * 0.5,
-        "state": (rnd(slots, HV, V, K) * 0.5).to(state_dtype),
-        "idx": perm(slots)[:N].to(torch.int32),
+        **_decode_step(rnd, uniform, perm, N, HV, K, V, slots, act_dtype, state_dtype),
         "out": torch.empty(N, 1, HV, V, device=device, dtype=act_dtype),
     }
 
@@ -72,12 +75,7 @@ def fused_decode_inputs(N, H, HV, K, V, *, W=4, state_dtype=torch.float32, act_d
         "qkv": rnd(N, C).to(act_dtype),
         "conv_weight": rnd(C, W) * 0.5,
         "conv_state": conv,
-        "a": rnd(N, HV * K).to(act_dtype),
-        "b": rnd(N, HV).to(act_dtype),
-        "A_log": uniform(HV) * 2 - 1,
-        "dt_bias": rnd(HV * K) * 0.5,
-        "state": (rnd(slots, HV, V, K) * 0.5).to(state_dtype),
-        "idx": perm(slots)[:N].to(torch.int32),
+        **_decode_step(rnd, uniform, perm, N, HV, K, V, slots, act_dtype, state_dtype),
         "norm_gate": rnd(N, HV * V).to(act_dtype),
         "norm_weight": uniform(V) + 0.5,
         "out": torch.empty(N, 1, HV, V, device=device, dtype=act_dtype),

@@ -372,13 +372,16 @@ def optional_tuple(*tensors):
     return None if tensors[0] is None else tuple(tensors)
 
 
-def _schema_args(*args):
-    """The custom op's arguments: ``mtp_verify_tensors`` of the six tuple-or-None arguments."""
-    return (*args[:11], *mtp_verify_tensors(*args[11:17]), *args[17:])
+def verify_schema_args(first: int):
+    """A flattener of a verify op's arguments for its custom op: the six tuple-or-None
+    arguments from position ``first`` on as ``mtp_verify_tensors``."""
+    def flatten(*args):
+        return (*args[:first], *mtp_verify_tensors(*args[first:first + 6]), *args[first + 6:])
+    return flatten
 
 
 @kdakit_op("mtp_verify", mutates=("out", "ic_q", "ic_k", "ic_v", "snapshots", "ring_k", "ring_v", "ring_g",
-                                  "ring_beta"), dispatch=run_mtp_verify, flatten=_schema_args)
+                                  "ring_beta"), dispatch=run_mtp_verify, flatten=verify_schema_args(11))
 def mtp_verify_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                   A_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor, slot_indices: torch.Tensor,
                   scratch_indices: torch.Tensor, out: torch.Tensor,

@@ -289,7 +289,7 @@ def check_tree_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratc
                            f"{n}: a node's parent must be -1 (the committed state) or an earlier node (0 <= p < t).")
 
 
-from .mtp_verify import mtp_verify_tensors, optional_tuple, verify_example_inputs  # noqa: E402
+from .mtp_verify import optional_tuple, verify_example_inputs, verify_schema_args  # noqa: E402
 from .registry import example_rng, kdakit_op  # noqa: E402
 
 
@@ -304,13 +304,8 @@ def run_tree_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_
          norm_gate=norm_gate, norm_weight=norm_weight, norm_eps=norm_eps)
 
 
-def _schema_args(*args):
-    """The custom op's arguments: ``mtp_verify_tensors`` of the six tuple-or-None arguments."""
-    return (*args[:12], *mtp_verify_tensors(*args[12:18]), *args[18:])
-
-
 @kdakit_op("tree_verify", mutates=("out", "ic_q", "ic_k", "ic_v", "snapshots", "ring_k", "ring_v", "ring_g",
-                                   "ring_beta"), dispatch=run_tree_verify, flatten=_schema_args)
+                                   "ring_beta"), dispatch=run_tree_verify, flatten=verify_schema_args(12))
 def tree_verify_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                    A_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor, slot_indices: torch.Tensor,
                    scratch_indices: torch.Tensor, parents: torch.Tensor, out: torch.Tensor,
