@@ -24,16 +24,16 @@ and queries:
 
 Nothing overflows whatever the gate (the default gate's log-decay is unbounded below): the
 pair sums ``A`` and ``P`` are never factored as ``(k̂ e^Γ)(k̂ e^-Γ)`` over a chunk. The chunk
-is cut into sub-blocks of 16 tokens. A pair in two different sub-blocks is factored at the
-last token ``b`` before the later sub-block, ``e^(Γ_s - Γ_b) · e^(Γ_b - Γ_r)`` (both factors
-<= 1; one tensor-core product per column block). A pair inside one sub-block is factored at
-the token ``b`` before the sub-block, with ``e^(Γ_b - Γ_r) <= e^spread`` (the sub-block's
-log-decay spread, per channel), when that spread is at most
-``ChunkConfig.factor_spread_max`` (60: ``e^60`` is far inside float32): one 16 x 16 product,
-the only place an exponent is positive. A steeper sub-block takes each pair's exact decay
-``e^(Γ_s - Γ_r)`` element by element (no product). The choice is made per sub-block on the
-device, from the decays: under the safe gate (``|g| < |lower_bound|``) nearly every
-sub-block is factored, under the default gate any sub-block can be steep.
+is cut into sub-blocks of 16 tokens, and the pairs whose earlier token is in sub-block ``j``
+form one tensor-core product over all the rows at or below it, factored at a token ``b``,
+``e^(Γ_s - Γ_r) = e^(Γ_s - Γ_b) · e^(Γ_b - Γ_r)``. Where sub-block ``j``'s log-decay spread
+(per channel, across its 16 tokens) is at most ``ChunkConfig.factor_spread_max`` (60 under the
+default gate; ``SAFE_SPREAD_MAX`` = 80 under the safe gate, whose spread is below
+16 |lower_bound|), ``b`` is the token before the block and the product takes the block's own
+pairs too: ``e^(Γ_b - Γ_r) <= e^spread``, the only positive exponent. Otherwise ``b`` is the
+block's last token (both factors <= 1), the product covers the rows below the block, and the
+block's own pairs take their exact decays ``e^(Γ_s - Γ_r)`` element by element. The choice is
+made per sub-block on the device, from the decays.
 
 The kernels:
 1. ``_chunk_prep_kernel``, one program per (chunk, value head), token-parallel: L2 norm,
@@ -103,8 +103,8 @@ class ChunkConfig:
     state_warps: int = 8
     dot_precision: str = "tf32"      # "tf32", "tf32x3" or "ieee"
     pipeline_stages: int = 2         # state kernel: chunks whose factors are in flight at once (1: none ahead)
-    factor_spread_max: float = 60.0  # a sub-block's in-block pairs are one product where its log-decay
-    #                                  spread is at most this (e^60 is far inside float32); steeper: exact
+    factor_spread_max: float = 60.0  # default gate: a sub-block's in-block pairs are one product where
+    #                                  its log-decay spread is at most this (e^60 is far inside float32)
     factor_safe_gate: bool = True    # safe gate: factored up to SAFE_SPREAD_MAX (False: exact everywhere)
     chain_pieces: int = 1            # the state chain of each sequence cut into this many pieces (> 1: three
     #                                  launches; fills the GPU for one long sequence with few heads)
@@ -604,7 +604,7 @@ def chunk_prefill_triton(q, k, v, g, beta, state, slot_indices, out, *, cu_seqle
     if lower_bound is None:
         spread_max = cfg.factor_spread_max
     else:  # a sub-block's spread is below 16 |lower_bound|: up to e^80 (|lower_bound| <= 5), all factored
-        spread_max = max(cfg.factor_spread_max, SAFE_SPREAD_MAX) if cfg.factor_safe_gate else -1.0
+        spread_max = SAFE_SPREAD_MAX if cfg.factor_safe_gate else -1.0
     prep_args = (q, k, v, g, beta, A_log if gate else q, dt_bias if gate else q, cu_seqlens, first, seq,
                  ws_q, ws_k, ws_w, ws_u, ws_p, ws_a, ws_g, N, T,
                  q.stride(1), q.stride(2), k.stride(1), k.stride(2), v.stride(1), v.stride(2), g.stride(1),
