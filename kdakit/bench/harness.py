@@ -102,7 +102,7 @@ def environment() -> dict:
             "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
-            "git": _git_rev()}
+            "git": _git_rev(), **_measured_commit()}
 
 
 def new_results(**env_extra) -> dict:
@@ -114,6 +114,13 @@ def new_results(**env_extra) -> dict:
 def close_results(results: dict) -> None:
     """The copy ceiling again at the end, so drift during the run shows in the record."""
     results["copy_ceiling_GBps_end"] = round(copy_ceiling_gbps(), 1)
+
+
+def _measured_commit() -> dict:
+    """A copy of a working tree (the device machine's) may carry a stale ``.git``: the
+    commit that really ran is then passed in ``KDAKIT_MEASURED_COMMIT``."""
+    commit = os.environ.get("KDAKIT_MEASURED_COMMIT")
+    return {"measured_commit": commit} if commit else {}
 
 
 def _git_rev() -> str:
