@@ -68,12 +68,12 @@ def chain_call(layer, norm=True, lower_bound=None):
     return call
 
 
-def dependent_chain_call(layer, norm=True, pdl=True, **groups):
+def dependent_chain_call(layer, norm=True, pdl=True, groups=None):
     """The op's own unfused chain, each kernel a programmatic dependent launch of the one before.
-    ``groups``: ``conv=``, ``decode=``, ``norm=`` texts (harness.parse_configs syntax) applied
+    ``groups``: a dict of ``conv``, ``decode``, ``norm`` texts (harness.parse_configs syntax) applied
     to the config the chain picks for that kernel at this layer's sizes (chain_config)."""
     from kdakit.ops.fused_decode import _unfused_chain
-    configs = {f"{part}_config": chain_config(part, group, layer) for part, group in groups.items()}
+    configs = {f"{part}_config": chain_config(part, group, layer) for part, group in (groups or {}).items()}
     kw = dict(norm_gate=layer["norm_gate"], norm_weight=layer["norm_weight"]) if norm else dict(norm_gate=None,
                                                                                                  norm_weight=None)
     K = layer["state"].shape[-1]
@@ -247,7 +247,7 @@ def check_dependent_chain(results):
             layer["state"].copy_(state0)
             layer["conv_state"].copy_(conv0)
             layer["out"].fill_(float("nan"))
-            dependent_chain_call(layer, norm, pdl, **chain_kw)()
+            dependent_chain_call(layer, norm, pdl, groups=chain_kw)()
             return layer["out"].clone(), layer["state"].clone(), layer["conv_state"].clone()
 
         plain = run(False)
@@ -341,7 +341,7 @@ def check_chain_configs(results):
         layer["idx"][5] = -1
         ref_out, ref_state, ref_conv = ref_fused(layer, True)
         layer["out"].fill_(float("nan"))
-        dependent_chain_call(layer, True, True, **{part: group})()
+        dependent_chain_call(layer, True, True, groups={part: group})()
         live = layer["idx"][layer["idx"] >= 0].long()
         conv_ok = torch.equal(layer["conv_state"][live], ref_conv[live].to(layer["conv_state"].dtype))
         e_out, e_state = rel(layer["out"], ref_out), rel(layer["state"][live], ref_state[live])
@@ -405,14 +405,14 @@ def timings(results, quick: bool):
                            ("one-kernel step+norm", lambda l: config_call(l, one_kernel_config(N), True)),
                            ("dependent chain+norm", lambda l: dependent_chain_call(l, True)),
                            ("dependent chain", lambda l: dependent_chain_call(l, False)),
-                           *((f"dependent chain+norm, {name}", lambda l, kw=kw: dependent_chain_call(l, True, **kw))
+                           *((f"dependent chain+norm, {name}", lambda l, kw=kw: dependent_chain_call(l, True, groups=kw))
                              for name, kw in CHAIN_VARIANTS.items()),
                            ("plain chain+norm (op)", lambda l: dependent_chain_call(l, True, False)),
                            ("packed_decode alone", packed_call)) + tuple(
                 (config_name(group, True), (lambda l, c=one_kernel_variant(group, N): config_call(l, c, True)))
                 for group in SWEEP) + tuple(
                 (f"dependent chain+norm {part}[{group}]",
-                 (lambda l, part=part, group=group: dependent_chain_call(l, True, True, **{part: group})))
+                 (lambda l, part=part, group=group: dependent_chain_call(l, True, True, groups={part: group})))
                 for part, group in CHAIN_SWEEP):
             try:
                 t = harness.graph_time_us([make(layer) for layer in layers])

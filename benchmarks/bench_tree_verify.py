@@ -18,6 +18,8 @@ reloaded snapshot is this program's own recent write), ring verify about one.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import sys
 
 import torch
@@ -203,6 +205,33 @@ def correctness(results):
                                   "pool_err": float((s1 - s2).abs().max())})
 
 
+@contextlib.contextmanager
+def step_loop(unroll):
+    """The tree's and the chain's verify with their step loop unrolled (True) or not, whatever
+    the pickers choose at T (VerifyConfig.unroll_steps), while the block runs."""
+    from kdakit.ops import mtp_verify as chain_module, tree_verify as tree_module
+    pinned = (chain_module.mtp_verify_config, tree_module.tree_verify_config)
+    chain_module.mtp_verify_config = lambda *a, **kw: dataclasses.replace(pinned[0](*a, **kw), unroll_steps=unroll)
+    tree_module.tree_verify_config = lambda *a, **kw: dataclasses.replace(pinned[1](*a, **kw), unroll_steps=unroll)
+    try:
+        yield
+    finally:
+        chain_module.mtp_verify_config, tree_module.tree_verify_config = pinned
+
+
+def check_step_loops(results, N=8, T=16):
+    """Both step-loop forms, bitwise: outputs and snapshots of a top-2 tree and of the chain."""
+    for shape, call in (("top2", tree_call), ("chain", chain_call)):
+        got = []
+        for unroll in (True, False):
+            L = make_layer(N, T, conv=False, mode="snapshot", shape=shape, seed=5)
+            with step_loop(unroll):
+                call(L)()
+            got.append((L["out"], L["snapshots"]))
+        same = all(torch.equal(x, y) for x, y in zip(*got))
+        results["checks"].append({"case": f"{shape}-N{N}-T{T}-step-loop-bitwise-unrolled", "ok": same})
+
+
 def add_row(results, name, t, moved, **extra):
     r = harness.row(name, t, moved, results["copy_ceiling_GBps"], **extra)
     results["rows"].append(r)
@@ -214,7 +243,7 @@ def time_calls(results, name, layers, call, moved, **base):
     add_row(results, name, t, moved, layers=len(layers), **base)
 
 
-def timings(results, batches, nodes, conv_too=True):
+def timings(results, batches, nodes, conv_too=True, step_loops=False):
     for T in nodes:
         for N in batches:
             base = {"N": N, "T": T}
@@ -227,6 +256,14 @@ def timings(results, batches, nodes, conv_too=True):
                     time_calls(results, f"tree-snapshot-{shape}{suffix}", layers, tree_call, moved, **base)
                     if shape == "chain":  # the chain verify on the same work
                         time_calls(results, f"chain-snapshot{suffix}", layers, chain_call, moved, **base)
+                    if step_loops and not conv:  # both loop forms, whichever the picker takes at T
+                        for unroll in (True, False):
+                            with step_loop(unroll):
+                                time_calls(results, f"tree-snapshot-{shape}[unroll_steps={unroll}]", layers,
+                                           tree_call, moved, **base)
+                                if shape == "chain":
+                                    time_calls(results, f"chain-snapshot[unroll_steps={unroll}]", layers,
+                                               chain_call, moved, **base)
                     if shape == "top2" and not conv:
                         for L in layers:
                             tree_call(L)()
@@ -262,6 +299,8 @@ def main():
     ap.add_argument("--batches", default=None, help="comma-separated N (default 8,64,256)")
     ap.add_argument("--nodes", default=None, help="comma-separated T (default 4,8,16)")
     ap.add_argument("--skip-checks", action="store_true", help="timings only (the checks have passed on this build)")
+    ap.add_argument("--step-loops", action="store_true",
+                    help="also time the snapshot verifies with the step loop unrolled and not (VerifyConfig.unroll_steps)")
     ap.add_argument("--name", default="tree_verify_h200")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -272,11 +311,12 @@ def main():
     results = harness.new_results(H=H, HV=HV, K=K, V=V, lower_bound=LOWER_BOUND)
     if not args.skip_checks:
         correctness(results)
+        check_step_loops(results)
     failed = [c["case"] for c in results["checks"] if not c["ok"]]
     for c in results["checks"]:
         print(("ok   " if c["ok"] else "FAIL ") + c["case"], {k: v for k, v in c.items() if k not in ("case", "ok")})
     if not failed:
-        timings(results, batches, nodes, conv_too=not args.quick)
+        timings(results, batches, nodes, conv_too=not args.quick, step_loops=args.step_loops)
     harness.close_results(results)
     path = harness.save(results, args.name, harness.results_folder(__file__))
     harness.print_table(results["rows"], ["name", "N", "T", "us", "GB/s", "pct_of_copy", "layers"])

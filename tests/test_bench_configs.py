@@ -119,3 +119,18 @@ def test_inputs_builders_shapes():
     a = inputs.packed_decode_inputs(2, 1, 2, 8, 8, device="cpu", seed=3)
     b = inputs.packed_decode_inputs(2, 1, 2, 8, 8, device="cpu", seed=3)
     assert all(torch.equal(a[k], b[k]) for k in a if k != "out")
+
+
+def test_optional_fields_parse_as_numbers_or_none():
+    base = RecurrentForwardConfig(16, 1, 1, True, False)
+    assert harness.parse_configs("max_registers=128", RecurrentForwardConfig, base=base)[0].max_registers == 128
+    capped = RecurrentForwardConfig(16, 1, 1, True, False, 128)
+    assert harness.parse_configs("max_registers=none", RecurrentForwardConfig, base=capped)[0].max_registers is None
+
+
+def test_recurrent_forward_register_cap_only_where_it_does_not_spill():
+    from kdakit.ops.recurrent_forward import recurrent_forward_config
+    assert recurrent_forward_config(8, 32, 128, 128, 128).max_registers == 128  # float32 pool, K = 128
+    assert recurrent_forward_config(8, 32, 128, 128, 128, state_bytes=2).max_registers is None
+    assert recurrent_forward_config(8, 32, 128, 64, 128).max_registers is None
+    assert recurrent_forward_config(64, 32, 128, 128, 64).max_registers is None  # one token a sequence

@@ -559,3 +559,28 @@ def test_native_verify_rejects_bad_layouts_before_writing():
     assert torch.equal(bufs["snapshots"], watched[0])
     for got, before in zip(bufs["intermediate_conv"], watched[1:]):
         assert torch.equal(got, before)
+
+
+@pytest.mark.parametrize("mode", ["snapshot", "ring"])
+def test_step_loop_equals_unrolled_steps_bitwise(mode, monkeypatch):
+    """``VerifyConfig.unroll_steps=False`` (a loop over the steps, picked for long chains) gives
+    the unrolled kernel's bits (the ring mode's recurrent form: the recurrence writes the rings)."""
+    from kdakit.ops import mtp_verify as module
+    pinned = module.mtp_verify_config
+    p, d = make_problem(13, T=5, K=16, V=16, norm=True)
+    got = {}
+    for unroll in (True, False):
+        monkeypatch.setattr(module, "mtp_verify_config", lambda *a, **kw: dataclasses.replace(
+            pinned(*a, **kw), unroll_steps=unroll, ring_form="recurrent"))
+        bufs = fresh_buffers(d, mode=mode)
+        out = call_verify(p, bufs, conv=True, lower_bound=-3.0, backend="triton")
+        got[unroll] = [out, *bufs["intermediate_conv"], *(bufs["rings"] if mode == "ring" else [bufs["snapshots"]])]
+    for x, y in zip(got[True], got[False]):
+        assert torch.equal(x, y)
+
+
+def test_long_chains_loop_over_their_steps():
+    from kdakit.ops.mtp_verify import UNROLL_STEPS_MAX, mtp_verify_config
+    assert UNROLL_STEPS_MAX == 8
+    assert mtp_verify_config(64, 8, 32, 128, 128, None).unroll_steps
+    assert not mtp_verify_config(64, 9, 32, 128, 128, None).unroll_steps

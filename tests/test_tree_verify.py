@@ -496,3 +496,26 @@ def test_16_bit_pool_and_snapshots(pool_dtype):
     assert torch.equal(p["state"], before)
     assert bufs["snapshots"].dtype == pool_dtype and torch.isfinite(bufs["snapshots"][p["scratch_indices"].long(),
                                                                                       :d["T"]]).all()
+
+
+@pytest.mark.parametrize("mode", ["snapshot", "ring"])
+def test_node_loop_equals_unrolled_nodes_bitwise(mode, monkeypatch):
+    """``VerifyConfig.unroll_steps=False`` (a loop over the nodes, picked for long trees) gives
+    the unrolled kernel's bits: outputs, snapshots or ring entries, windows."""
+    from kdakit.ops import tree_verify as module
+    T = 6
+    p, d = make_problem(41, T=T, HV=2, act=torch.bfloat16, conv=True, norm=True, K=16, V=16)
+    p["slot_indices"][1] = -1
+    pinned = module.tree_verify_config
+    got = {}
+    for unroll in (True, False):
+        monkeypatch.setattr(module, "tree_verify_config",
+                            lambda *a, **kw: dataclasses.replace(pinned(*a, **kw), unroll_steps=unroll))
+        bufs = fresh_buffers(d)
+        extra = {}
+        if mode == "ring":
+            bufs["snapshots"], extra["rings"] = None, ring_buffers(d)
+        out = call_tree(p, bufs, conv=True, lower_bound=None, backend="triton", **extra)
+        got[unroll] = [out, *bufs["intermediate_conv"], *(extra["rings"] if mode == "ring" else [bufs["snapshots"]])]
+    for x, y in zip(got[True], got[False]):
+        assert torch.equal(x, y)

@@ -177,10 +177,23 @@ def parse_configs(text: str | None, config_type, base=None) -> list:
                 if raw.lower() not in ("1", "0", "true", "false"):
                     raise ValueError(f"config {group!r}: {name} takes true or false, not {raw!r}.")
                 values[name] = raw.lower() in ("1", "true")
+            elif raw.lower() == "none":
+                values[name] = None
+            elif kind is type(None):  # an optional field left at None: a number when it reads as one
+                values[name] = _number(raw)
             else:
                 values[name] = kind(raw) if kind in (int, float) else raw
         configs.append(dataclasses.replace(base, **values) if base is not None else config_type(**values))
     return configs
+
+
+def _number(raw: str):
+    for kind in (int, float):
+        try:
+            return kind(raw)
+        except ValueError:
+            pass
+    return raw
 
 
 def config_groups(text: str | None, config_type, base=None) -> list[str]:

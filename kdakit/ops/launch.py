@@ -94,7 +94,7 @@ def compile_only_target():
     return GPUTarget("cuda", int(name.removeprefix("sm_")), 32)
 
 
-def _compile_for_target(fn, args, constexprs, num_warps, num_stages, launch_pdl, target):
+def _compile_for_target(fn, args, constexprs, num_warps, num_stages, launch_pdl, target, max_registers=None):
     # Specialized as the JIT would on the GPU (an integer 1 becomes a constant, 16-byte
     # alignment and multiples of 16 are divisibility hints): the layouts the compiler
     # picks, and the passes that can fail, depend on them.
@@ -109,8 +109,10 @@ def _compile_for_target(fn, args, constexprs, num_warps, num_stages, launch_pdl,
             attrs[(i,)] = BaseBackend.parse_attr(attr)
         signature[name] = kind
     signature.update({name: "constexpr" for name in constexprs})
-    triton.compile(ASTSource(fn, signature, constexprs=constants, attrs=attrs), target=target,
-                   options={"num_warps": num_warps, "num_stages": num_stages, "launch_pdl": launch_pdl})
+    options = {"num_warps": num_warps, "num_stages": num_stages, "launch_pdl": launch_pdl}
+    if max_registers is not None:
+        options["maxnreg"] = max_registers
+    triton.compile(ASTSource(fn, signature, constexprs=constants, attrs=attrs), target=target, options=options)
     COMPILED_FOR_TARGET.append(fn.__name__)
 
 
@@ -147,26 +149,32 @@ class CachedKernel:
         self.compiled: dict = {}  # (CUDA device index, specialization, options) -> compiled kernel
 
     def __call__(self, grid, args: tuple, constexprs: dict, *, num_warps: int = 4, num_stages: int = 3,
-                 launch_pdl: bool = False):
+                 launch_pdl: bool = False, max_registers: int | None = None):
         """``launch_pdl``: a programmatic dependent launch (see ``pdl_available``); the
-        kernel must ``gdc_wait`` before it reads what the previous kernel writes."""
+        kernel must ``gdc_wait`` before it reads what the previous kernel writes.
+        ``max_registers``: a cap per thread (ptxas ``.maxnreg``), for kernels whose
+        occupancy, not their instruction count, sets the speed."""
         first = args[0]
         if not first.is_cuda:  # the interpreter (or compile-only mode): nothing to cache
             target = compile_only_target()
             if target is not None:
-                return _compile_for_target(self.fn, args, constexprs, num_warps, num_stages, launch_pdl, target)
+                return _compile_for_target(self.fn, args, constexprs, num_warps, num_stages, launch_pdl, target,
+                                           max_registers)
             return self.fn[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
         device = driver.active.get_current_device()
         if first.device.index != device:
             # Triton launches on the current device; the tensors' device decides here.
             with torch.cuda.device(first.device):
                 return self(grid, args, constexprs, num_warps=num_warps, num_stages=num_stages,
-                            launch_pdl=launch_pdl)
+                            launch_pdl=launch_pdl, max_registers=max_registers)
         options = dict(num_warps=num_warps, num_stages=num_stages, launch_pdl=launch_pdl)
+        if max_registers is not None:
+            options["maxnreg"] = max_registers
         if not _FAST_PATH[0]:
             self.fn[grid](*args, **constexprs, **options)
             return
-        key = (device, specialization_key(args), tuple(constexprs.values()), num_warps, num_stages, launch_pdl)
+        key = (device, specialization_key(args), tuple(constexprs.values()), num_warps, num_stages, launch_pdl,
+               max_registers)
         kernel = self.compiled.get(key)
         if kernel is None:
             self.compiled[key] = self.fn[grid](*args, **constexprs, **options)

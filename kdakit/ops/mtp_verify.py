@@ -52,6 +52,32 @@ def _load_step(x_q, x_k, x_v, a, b, t, n64, i_hv, ch_qk, ch_v, offs_k, mask_k, m
 
 
 @triton.jit
+def _verify_step(S, cur, t, live, writes_head, writes_key_head, mask_s, slot, row, n64, i_h, i_hv, offs_k, offs_v,
+                 mask_k, mask_v, out, snapshots, ring_k, ring_v, ring_g, ring_beta, s_snap_row, s_snap_t, s_rk_slot,
+                 s_rv_slot, s_rg_slot, s_rb_slot, ring_len, scale, T: tl.constexpr, HV: tl.constexpr,
+                 K: tl.constexpr, V: tl.constexpr, SNAPSHOT: tl.constexpr, RING: tl.constexpr):
+    """Step ``t`` of one program's tile: its ring entries, the update, its output row and snapshot."""
+    q_t, k_t, v_t, g_t, beta_t = cur
+    if RING:  # the raw per-step inputs of the commit's replay
+        tl.store(ring_k + slot * s_rk_slot + (i_h * ring_len + t) * K + offs_k, k_t.to(ring_k.dtype.element_ty),
+                 mask=mask_if(mask_k, writes_key_head))
+        tl.store(ring_v + slot * s_rv_slot + (i_hv * ring_len + t) * V + offs_v,
+                 v_t.to(ring_v.dtype.element_ty), mask=mask_if(mask_v, live))
+        tl.store(ring_g + slot * s_rg_slot + (i_hv * ring_len + t) * K + offs_k,
+                 g_t.to(ring_g.dtype.element_ty), mask=mask_if(mask_k, writes_head))
+        tl.store(ring_beta + slot * s_rb_slot + i_hv * ring_len + t, beta_t.to(ring_beta.dtype.element_ty),
+                 mask=writes_head)
+    q_hat = l2_normalize(q_t) * scale
+    S = delta_rule_update(S, l2_normalize(k_t), v_t, g_t, beta_t)
+    o = tl.where(live, tl.sum(S * q_hat[None, :], axis=1), 0.0)
+    tl.store(out + ((n64 * T + t) * HV + i_hv) * V + offs_v, o.to(out.dtype.element_ty), mask=mask_v)
+    if SNAPSHOT:
+        snap = snapshots + row * s_snap_row + t * s_snap_t + i_hv * V * K
+        tl.store(snap + offs_v[:, None] * K + offs_k[None, :], S.to(snapshots.dtype.element_ty), mask=mask_s)
+    return S
+
+
+@triton.jit
 def _mtp_verify_kernel(
     q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, out,
     snapshots, ring_k, ring_v, ring_g, ring_beta, errors,
@@ -61,7 +87,7 @@ def _mtp_verify_kernel(
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
     SNAPSHOT: tl.constexpr, RING: tl.constexpr, SAFE_GATE: tl.constexpr,
     WAIT_FOR_TOKENS: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr, CHECK_ROWS: tl.constexpr,
-    ERR_INDEX: tl.constexpr,
+    ERR_INDEX: tl.constexpr, UNROLL_STEPS: tl.constexpr,
 ):
     # One program: BLOCK_V state rows of one (request, value head), carried in registers
     # through the T steps; each step's inputs are loaded while the previous step computes
@@ -99,27 +125,27 @@ def _mtp_verify_kernel(
 
     nxt = _load_step(x_q, x_k, x_v, a, b, 0, n64, i_hv, ch_qk, ch_v, offs_k, mask_k, mask_v, bias, A_log_h,
                      lower_bound, T, H, HV, K, V, SAFE_GATE)
-    for t in tl.static_range(T):
-        q_t, k_t, v_t, g_t, beta_t = nxt
-        if t + 1 < T:
-            nxt = _load_step(x_q, x_k, x_v, a, b, t + 1, n64, i_hv, ch_qk, ch_v, offs_k, mask_k, mask_v, bias,
-                             A_log_h, lower_bound, T, H, HV, K, V, SAFE_GATE)
-        if RING:  # the raw per-step inputs of the commit's replay
-            tl.store(ring_k + slot * s_rk_slot + (i_h * ring_len + t) * K + offs_k, k_t.to(ring_k.dtype.element_ty),
-                     mask=mask_if(mask_k, writes_key_head))
-            tl.store(ring_v + slot * s_rv_slot + (i_hv * ring_len + t) * V + offs_v,
-                     v_t.to(ring_v.dtype.element_ty), mask=mask_if(mask_v, live))
-            tl.store(ring_g + slot * s_rg_slot + (i_hv * ring_len + t) * K + offs_k,
-                     g_t.to(ring_g.dtype.element_ty), mask=mask_if(mask_k, writes_head))
-            tl.store(ring_beta + slot * s_rb_slot + i_hv * ring_len + t, beta_t.to(ring_beta.dtype.element_ty),
-                     mask=writes_head)
-        q_hat = l2_normalize(q_t) * scale
-        S = delta_rule_update(S, l2_normalize(k_t), v_t, g_t, beta_t)
-        o = tl.where(live, tl.sum(S * q_hat[None, :], axis=1), 0.0)
-        tl.store(out + ((n64 * T + t) * HV + i_hv) * V + offs_v, o.to(out.dtype.element_ty), mask=mask_v)
-        if SNAPSHOT:
-            snap = snapshots + row * s_snap_row + t * s_snap_t + i_hv * V * K
-            tl.store(snap + offs_v[:, None] * K + offs_k[None, :], S.to(snapshots.dtype.element_ty), mask=mask_s)
+    if UNROLL_STEPS:
+        for t in tl.static_range(T):
+            cur = nxt
+            if t + 1 < T:
+                nxt = _load_step(x_q, x_k, x_v, a, b, t + 1, n64, i_hv, ch_qk, ch_v, offs_k, mask_k, mask_v, bias,
+                                 A_log_h, lower_bound, T, H, HV, K, V, SAFE_GATE)
+            S = _verify_step(S, cur, t, live, writes_head, writes_key_head, mask_s, slot, row, n64, i_h, i_hv,
+                             offs_k, offs_v, mask_k, mask_v, out, snapshots, ring_k, ring_v, ring_g, ring_beta,
+                             s_snap_row, s_snap_t, s_rk_slot, s_rv_slot, s_rg_slot, s_rb_slot, ring_len, scale,
+                             T, HV, K, V, SNAPSHOT, RING)
+    else:
+        # Long chains as a loop: unrolled, the code of 16 steps outgrows the instruction
+        # cache. The last step loads step T - 1 again rather than branch.
+        for t in range(T):
+            cur = nxt
+            nxt = _load_step(x_q, x_k, x_v, a, b, tl.minimum(t + 1, T - 1), n64, i_hv, ch_qk, ch_v, offs_k, mask_k,
+                             mask_v, bias, A_log_h, lower_bound, T, H, HV, K, V, SAFE_GATE)
+            S = _verify_step(S, cur, t, live, writes_head, writes_key_head, mask_s, slot, row, n64, i_h, i_hv,
+                             offs_k, offs_v, mask_k, mask_v, out, snapshots, ring_k, ring_v, ring_g, ring_beta,
+                             s_snap_row, s_snap_t, s_rk_slot, s_rv_slot, s_rg_slot, s_rb_slot, ring_len, scale,
+                             T, HV, K, V, SNAPSHOT, RING)
     count_bad_row(errors, (slot >= 0) & ~live & (i_v == 0) & (i_hv == 0), ERR_INDEX)
 
 
@@ -160,19 +186,30 @@ class VerifyConfig:
     ``block_v``, ``num_warps``: the recurrence's tile (``recurrence_tile``; a ring commit of
     the same rows must use the same tile to equal a snapshot commit bitwise). ``ring_form``:
     ring mode's "chunked" (``ring``'s kernels) or "recurrent" form (``ring_form``).
-    ``conv``: the chain's conv prologue (a tree's has its own, ``tree_conv.py``)."""
+    ``conv``: the chain's conv prologue (a tree's has its own, ``tree_conv.py``).
+    ``unroll_steps``: the recurrence's steps unrolled (``unroll_steps`` picks it from T)."""
     block_v: int
     num_warps: int = 1
     ring_form: str = "recurrent"
     ring: RingVerifyConfig = RingVerifyConfig()
     conv: VerifyConvConfig = VerifyConvConfig()
+    unroll_steps: bool = True  # the recurrence's step loop unrolled (False: a loop; long chains)
 
 
 def mtp_verify_config(N: int, T: int, HV: int, V: int, K: int, lower_bound) -> VerifyConfig:
     """The chain verify's pinned config (no autotuning in a serving call)."""
     block_v, num_warps = recurrence_tile(V, K)
     return VerifyConfig(block_v=block_v, num_warps=num_warps, ring_form=ring_form(N, HV, T),
-                        ring=ring_verify_config(T, lower_bound), conv=verify_conv_config(T))
+                        ring=ring_verify_config(T, lower_bound), conv=verify_conv_config(T),
+                        unroll_steps=unroll_steps(T))
+
+
+# The recurrence's step loop is unrolled up to this many steps, a loop beyond.
+UNROLL_STEPS_MAX = 8
+
+
+def unroll_steps(T: int, unroll_max: int = UNROLL_STEPS_MAX) -> bool:
+    return T <= unroll_max
 
 
 def _strides(t, dims, default=0):
@@ -208,7 +245,7 @@ def mtp_verify_triton(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratc
     else:
         _launch_recurrence(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, raw_out, snapshots,
                            rings, scale, lower_bound, bounds, conv=conv, norm=norm, pdl=pdl,
-                           tile=(cfg.block_v, cfg.num_warps))
+                           tile=(cfg.block_v, cfg.num_warps), unrolled=cfg.unroll_steps)
     if norm:  # padding rows stay zero: their raw output is zero, and so is its norm
         gated_rmsnorm_after(raw_out, norm_gate, norm_weight, out, eps=norm_eps, wait_for_x=pdl)
     return out
@@ -221,7 +258,7 @@ def scratch_rows(snapshots, intermediate_conv) -> int:
 
 
 def _launch_recurrence(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, raw_out, snapshots,
-                       rings, scale, lower_bound, bounds, *, conv, norm, pdl, tile):
+                       rings, scale, lower_bound, bounds, *, conv, norm, pdl, tile, unrolled=True):
     """The verify recurrence: outputs, and after every step a snapshot or the ring entries."""
     N, T, H, K = q.shape
     HV, V = v.shape[-2:]
@@ -239,7 +276,7 @@ def _launch_recurrence(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scrat
         dict(T=T, H=H, HV=HV, K=K, V=V, BLOCK_K=next_power_of_2(K), BLOCK_V=block_v,
              SNAPSHOT=snapshots is not None and rings is None, RING=rings is not None,
              SAFE_GATE=lower_bound is not None, WAIT_FOR_TOKENS=conv and pdl, LAUNCH_DEPENDENTS=norm and pdl,
-             CHECK_ROWS=bounds[1] >= 0, ERR_INDEX=errors.INDEX["mtp_verify"]),
+             CHECK_ROWS=bounds[1] >= 0, ERR_INDEX=errors.INDEX["mtp_verify"], UNROLL_STEPS=bool(unrolled)),
         num_warps=num_warps, num_stages=1, launch_pdl=conv and pdl)
 
 

@@ -207,10 +207,11 @@ class RecurrentForwardConfig:
     v_tiles: int = 1             # tiles per program
     prefetch_tile: bool = True   # the next tile's load in flight while one computes
     tiles_first: bool = False    # a sequence's programs next to each other in launch order
+    max_registers: int | None = None  # ptxas cap per thread (one-warp programs: 128 keeps 16 a SM)
 
 
 def recurrent_forward_config(N: int, HV: int, V: int, K: int, tokens: int,
-                             k_major: bool = False) -> RecurrentForwardConfig:
+                             k_major: bool = False, state_bytes: int = 4) -> RecurrentForwardConfig:
     """Pinned from the H200 sweeps
     (benchmarks/results/recurrent_forward_*sweep_h200.json), no autotuning in a serving call.
     Sequences of several tokens: one warp on 16 rows of K = 128 float32 (8 KB: fewer programs
@@ -230,7 +231,12 @@ def recurrent_forward_config(N: int, HV: int, V: int, K: int, tokens: int,
     if k_major:
         return RecurrentForwardConfig(min(next_power_of_2(V), 32), 1, 1, True, True)
     if tokens >= 2 * max(N, 1):
-        return RecurrentForwardConfig(min(next_power_of_2(V), 2 * rows), 1, 1, True, N * HV > 256)
+        # At K = 128 on a float32 pool, 128 registers keep 16 one-warp programs on an SM
+        # without spills; uncapped the kernel takes 139 (14 a SM, and 8 x 32 heads of
+        # 16-token sequences need two waves). Other shapes spill under that cap.
+        cap = 128 if next_power_of_2(K) == 128 and state_bytes == 4 else None
+        return RecurrentForwardConfig(min(next_power_of_2(V), 2 * rows), 1, 1, True, N * HV > 256,
+                                      max_registers=cap)
     if N * HV <= 256:
         return RecurrentForwardConfig(max(1, rows // 2), 1, 2, False, True)
     return RecurrentForwardConfig(rows, 1, 1, True, True)
@@ -253,7 +259,8 @@ def recurrent_forward_triton(q, k, v, g, beta, state, slot_indices, out, *, cu_s
     N = cu_seqlens.numel() - 1 if cu_seqlens is not None else 1
     if N == 0 or HV == 0:
         return out.zero_() if zero_uncovered else out  # no sequence: every row is outside
-    cfg = config or recurrent_forward_config(N, HV, V, K, q.shape[1], k_major=state.stride(-1) != 1)
+    cfg = config or recurrent_forward_config(N, HV, V, K, q.shape[1], k_major=state.stride(-1) != 1,
+                                             state_bytes=state.element_size())
     block_v, num_warps, v_tiles = cfg.block_v, cfg.num_warps, cfg.v_tiles
     prefetch_tile, tiles_first = bool(cfg.prefetch_tile), bool(cfg.tiles_first)
     per_token = slot_indices.dim() == 2
@@ -281,7 +288,7 @@ def recurrent_forward_triton(q, k, v, g, beta, state, slot_indices, out, *, cu_s
              TILES_FIRST=tiles_first, V_PROGRAMS=v_programs,
              ZERO_UNCOVERED=bool(zero_uncovered) and cu_seqlens is not None,
              ERR_INDEX=errors.INDEX["recurrent_forward"]),
-        num_warps=num_warps, num_stages=1)
+        num_warps=num_warps, num_stages=1, max_registers=cfg.max_registers)
     return out
 
 

@@ -39,7 +39,7 @@ from .. import contracts, errors, reference
 from ..backends import register, select
 from .gated_rmsnorm import gated_rmsnorm_after
 from .launch import CachedKernel, cdiv, next_power_of_2, pdl_available
-from .mtp_verify import VerifyConfig, _load_step, check_mtp_verify, recurrence_tile, ring_form
+from .mtp_verify import VerifyConfig, _load_step, check_mtp_verify, recurrence_tile, ring_form, unroll_steps
 from .ring_verify import MAX_TREE_NODES, ring_verify, ring_verify_config
 from .tree_conv import count_invalid_parents, load_tree_parents, tree_conv, tree_parent
 from .triton_math import count_bad_rows, delta_rule_update, l2_normalize, mask_if
@@ -73,6 +73,49 @@ def _refold_path(S, s_ptrs, mask_s, par, p, x_q, x_k, x_v, a, b, n64, i_hv, ch_q
 
 
 @triton.jit
+def _node_start(S, t, par, s_ptrs, state_h, snap_h, tile, mask_s, s_snap_t, x_q, x_k, x_v, a, b, n64, i_hv, ch_qk,
+                ch_v, offs_k, mask_k, mask_v, bias, A_log_h, lower_bound, T: tl.constexpr, H: tl.constexpr,
+                HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, SAFE_GATE: tl.constexpr,
+                BLOCK_T: tl.constexpr, RING: tl.constexpr):
+    """Node t's starting tile (t > 0): the registers' tile when its parent is node t - 1."""
+    p = tree_parent(par, t, BLOCK_T)  # an invalid parent starts from the committed state
+    if p != t - 1:
+        if RING:
+            S = _refold_path(S, s_ptrs, mask_s, par, p, x_q, x_k, x_v, a, b, n64, i_hv, ch_qk, ch_v, offs_k, mask_k,
+                             mask_v, bias, A_log_h, lower_bound, T, H, HV, K, V, SAFE_GATE, BLOCK_T)
+        elif p < 0:
+            S = tl.load(state_h + tile, mask=mask_s, other=0.0).to(tl.float32)
+        else:  # stored by this program, behind the barrier after each snapshot store
+            S = tl.load(snap_h + p * s_snap_t + tile, mask=mask_s, other=0.0).to(tl.float32)
+    return S
+
+
+@triton.jit
+def _node_step(S, cur, t, live, slot, n64, i_h, i_hv, i_v, offs_k, offs_v, mask_v, mask_s, mask_v_live, mask_k_head,
+               mask_k_key_head, tile, snap_h, s_snap_t, out, snapshots, ring_k, ring_v, ring_g, ring_beta, s_rk_slot,
+               s_rv_slot, s_rg_slot, s_rb_slot, ring_len, scale, T: tl.constexpr, HV: tl.constexpr,
+               K: tl.constexpr, V: tl.constexpr, RING: tl.constexpr):
+    """Node t from its starting tile: its ring entries, the update, its output row and snapshot."""
+    q_t, k_t, v_t, g_t, beta_t = cur
+    if RING:  # the raw per-node inputs of the commit's replay
+        tl.store(ring_k + slot * s_rk_slot + (i_h * ring_len + t) * K + offs_k, k_t.to(ring_k.dtype.element_ty),
+                 mask=mask_k_key_head)
+        tl.store(ring_v + slot * s_rv_slot + (i_hv * ring_len + t) * V + offs_v,
+                 v_t.to(ring_v.dtype.element_ty), mask=mask_v_live)
+        tl.store(ring_g + slot * s_rg_slot + (i_hv * ring_len + t) * K + offs_k,
+                 g_t.to(ring_g.dtype.element_ty), mask=mask_k_head)
+        tl.store(ring_beta + slot * s_rb_slot + i_hv * ring_len + t, beta_t.to(ring_beta.dtype.element_ty),
+                 mask=live & (i_v == 0))
+    q_hat = l2_normalize(q_t) * scale
+    S = delta_rule_update(S, l2_normalize(k_t), v_t, g_t, beta_t)
+    o = tl.where(live, tl.sum(S * q_hat[None, :], axis=1), 0.0)
+    tl.store(out + ((n64 * T + t) * HV + i_hv) * V + offs_v, o.to(out.dtype.element_ty), mask=mask_v)
+    if not RING:
+        tl.store(snap_h + t * s_snap_t + tile, S.to(snapshots.dtype.element_ty), mask=mask_s)
+    return S
+
+
+@triton.jit
 def _tree_verify_kernel(
     q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, parents, out, snapshots,
     ring_k, ring_v, ring_g, ring_beta, errors,
@@ -82,6 +125,7 @@ def _tree_verify_kernel(
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_T: tl.constexpr, SAFE_GATE: tl.constexpr,
     RING: tl.constexpr,
     WAIT_FOR_TOKENS: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr, ERR_INDEX: tl.constexpr,
+    UNROLL_STEPS: tl.constexpr,
 ):
     # One program: BLOCK_V state rows of one (request, value head), through the T nodes.
     # RING (no snapshots): a node whose parent is not the previous node starts again from
@@ -142,44 +186,45 @@ def _tree_verify_kernel(
 
     nxt = _load_step(x_q, x_k, x_v, a, b, 0, n64, i_hv, ch_qk, ch_v, offs_k, mask_k, mask_v, bias, A_log_h,
                      lower_bound, T, H, HV, K, V, SAFE_GATE)
-    for t in tl.static_range(T):
-        q_t, k_t, v_t, g_t, beta_t = nxt
-        # Node t's starting tile first, then the next node's inputs (in this order the
-        # unrolled loop holds 96 registers, not 128: ptxas, sm_90, K = V = 128).
-        if t > 0:
-            p = tree_parent(par, t, BLOCK_T)  # an invalid parent starts from the committed state
-            if p != t - 1:
-                if RING:
-                    S = _refold_path(S, s_ptrs, mask_s, par, p, x_q, x_k, x_v, a, b, n64, i_hv, ch_qk,
-                                     ch_v, offs_k, mask_k, mask_v, bias, A_log_h, lower_bound, T, H, HV, K, V,
-                                     SAFE_GATE, BLOCK_T)
-                elif p < 0:
-                    S = tl.load(state_h + tile, mask=mask_s, other=0.0).to(tl.float32)
-                else:  # stored by this program, behind the barrier after each snapshot store
-                    S = tl.load(snap_h + p * s_snap_t + tile, mask=mask_s, other=0.0).to(tl.float32)
-        if t + 1 < T:
-            nxt = _load_step(x_q, x_k, x_v, a, b, t + 1, n64, i_hv, ch_qk, ch_v, offs_k, mask_k, mask_v, bias,
-                             A_log_h, lower_bound, T, H, HV, K, V, SAFE_GATE)
-        if RING:  # the raw per-node inputs of the commit's replay
-            tl.store(ring_k + slot * s_rk_slot + (i_h * ring_len + t) * K + offs_k, k_t.to(ring_k.dtype.element_ty),
-                     mask=mask_k_key_head)
-            tl.store(ring_v + slot * s_rv_slot + (i_hv * ring_len + t) * V + offs_v,
-                     v_t.to(ring_v.dtype.element_ty), mask=mask_v_live)
-            tl.store(ring_g + slot * s_rg_slot + (i_hv * ring_len + t) * K + offs_k,
-                     g_t.to(ring_g.dtype.element_ty), mask=mask_k_head)
-            tl.store(ring_beta + slot * s_rb_slot + i_hv * ring_len + t, beta_t.to(ring_beta.dtype.element_ty),
-                     mask=live & (i_v == 0))
-        q_hat = l2_normalize(q_t) * scale
-        S = delta_rule_update(S, l2_normalize(k_t), v_t, g_t, beta_t)
-        o = tl.where(live, tl.sum(S * q_hat[None, :], axis=1), 0.0)
-        tl.store(out + ((n64 * T + t) * HV + i_hv) * V + offs_v, o.to(out.dtype.element_ty), mask=mask_v)
-        if not RING:
-            tl.store(snap_h + t * s_snap_t + tile, S.to(snapshots.dtype.element_ty), mask=mask_s)
+    if UNROLL_STEPS:
+        for t in tl.static_range(T):
+            cur = nxt
+            # Node t's starting tile first, then the next node's inputs (in this order the
+            # unrolled loop holds 96 registers, not 128: ptxas, sm_90, K = V = 128).
+            if t > 0:
+                S = _node_start(S, t, par, s_ptrs, state_h, snap_h, tile, mask_s, s_snap_t, x_q, x_k, x_v, a, b, n64,
+                                i_hv, ch_qk, ch_v, offs_k, mask_k, mask_v, bias, A_log_h, lower_bound, T, H, HV, K,
+                                V, SAFE_GATE, BLOCK_T, RING)
             if t + 1 < T:
-                # A later node may reload this snapshot, and another thread of the program may
-                # have stored elements that one reloads. After every store rather than before each
-                # reload: a barrier inside the reload branch held 128 registers instead of 96.
-                tl.debug_barrier()
+                nxt = _load_step(x_q, x_k, x_v, a, b, t + 1, n64, i_hv, ch_qk, ch_v, offs_k, mask_k, mask_v, bias,
+                                 A_log_h, lower_bound, T, H, HV, K, V, SAFE_GATE)
+            S = _node_step(S, cur, t, live, slot, n64, i_h, i_hv, i_v, offs_k, offs_v, mask_v, mask_s, mask_v_live,
+                           mask_k_head, mask_k_key_head, tile, snap_h, s_snap_t, out, snapshots, ring_k, ring_v,
+                           ring_g, ring_beta, s_rk_slot, s_rv_slot, s_rg_slot, s_rb_slot, ring_len, scale, T, HV,
+                           K, V, RING)
+            if not RING:
+                if t + 1 < T:
+                    # A later node may reload this snapshot, and another thread of the program may
+                    # have stored elements that one reloads. After every store rather than before each
+                    # reload: a barrier inside the reload branch held 128 registers instead of 96.
+                    tl.debug_barrier()
+    else:
+        # Many nodes as a loop: unrolled, the code of 16 nodes outgrows the instruction cache.
+        # The last node loads node T - 1's inputs again rather than branch.
+        for t in range(T):
+            cur = nxt
+            if t > 0:
+                S = _node_start(S, t, par, s_ptrs, state_h, snap_h, tile, mask_s, s_snap_t, x_q, x_k, x_v, a, b, n64,
+                                i_hv, ch_qk, ch_v, offs_k, mask_k, mask_v, bias, A_log_h, lower_bound, T, H, HV, K,
+                                V, SAFE_GATE, BLOCK_T, RING)
+            nxt = _load_step(x_q, x_k, x_v, a, b, tl.minimum(t + 1, T - 1), n64, i_hv, ch_qk, ch_v, offs_k, mask_k,
+                             mask_v, bias, A_log_h, lower_bound, T, H, HV, K, V, SAFE_GATE)
+            S = _node_step(S, cur, t, live, slot, n64, i_h, i_hv, i_v, offs_k, offs_v, mask_v, mask_s, mask_v_live,
+                           mask_k_head, mask_k_key_head, tile, snap_h, s_snap_t, out, snapshots, ring_k, ring_v,
+                           ring_g, ring_beta, s_rk_slot, s_rv_slot, s_rg_slot, s_rb_slot, ring_len, scale, T, HV,
+                           K, V, RING)
+            if not RING:
+                tl.debug_barrier()  # as above
 
 
 _tree_verify = CachedKernel(_tree_verify_kernel)
@@ -197,7 +242,7 @@ def tree_verify_config(N: int, T: int, HV: int, V: int, K: int, lower_bound) -> 
     (its ``conv`` unused: the tree conv's is ``tree_conv.TreeConvConfig``)."""
     block_v, num_warps = recurrence_tile(V, K)
     return VerifyConfig(block_v=block_v, num_warps=num_warps, ring_form=ring_form(N, HV, T),
-                        ring=ring_verify_config(T, lower_bound))
+                        ring=ring_verify_config(T, lower_bound), unroll_steps=unroll_steps(T))
 
 
 @register("tree_verify", "triton")
@@ -242,7 +287,8 @@ def tree_verify_triton(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scrat
              float(lower_bound) if lower_bound is not None else 0.0),
             dict(T=T, H=H, HV=HV, K=K, V=V, BLOCK_K=next_power_of_2(K), BLOCK_V=block_v,
                  BLOCK_T=next_power_of_2(T), SAFE_GATE=lower_bound is not None, RING=ring, WAIT_FOR_TOKENS=conv and pdl,
-                 LAUNCH_DEPENDENTS=norm and pdl, ERR_INDEX=errors.INDEX["tree_verify"]),
+                 LAUNCH_DEPENDENTS=norm and pdl, ERR_INDEX=errors.INDEX["tree_verify"],
+                 UNROLL_STEPS=bool(cfg.unroll_steps)),
             num_warps=num_warps, num_stages=1, launch_pdl=conv and pdl)
     if norm:  # padding rows stay zero: their raw output is zero, and so is its norm
         gated_rmsnorm_after(raw_out, norm_gate, norm_weight, out, eps=norm_eps, wait_for_x=pdl)
