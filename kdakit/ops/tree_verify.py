@@ -242,7 +242,13 @@ def tree_verify_config(N: int, T: int, HV: int, V: int, K: int, lower_bound) -> 
     (its ``conv`` unused: the tree conv's is ``tree_conv.TreeConvConfig``)."""
     block_v, num_warps = recurrence_tile(V, K)
     return VerifyConfig(block_v=block_v, num_warps=num_warps, ring_form=ring_form(N, HV, T),
-                        ring=ring_verify_config(T, lower_bound), unroll_steps=unroll_steps(T))
+                        ring=ring_verify_config(T, lower_bound), unroll_steps=unroll_steps(T, TREE_UNROLL_NODES_MAX))
+
+
+# A tree's node loop is unrolled up to this many nodes. At 8 nodes the loop is faster for
+# top-2 trees (338 against 379 us at N = 64; tree_verify_step_loops_h200.json): the reloads
+# of a parent's snapshot are branches either way, and the loop's code stays in cache.
+TREE_UNROLL_NODES_MAX = 4
 
 
 @register("tree_verify", "triton")
