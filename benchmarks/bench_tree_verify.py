@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import sys
 
 import torch
@@ -27,7 +26,7 @@ import torch
 import kdakit
 from kdakit import reference
 from kdakit.bench import harness
-from kdakit.ops.mtp_verify import ring_form
+from kdakit.ops.mtp_verify import VerifyConfig, ring_form
 
 H = HV = 32
 K = V = 128
@@ -206,30 +205,32 @@ def correctness(results):
 
 
 @contextlib.contextmanager
-def step_loop(unroll):
-    """The tree's and the chain's verify with their step loop unrolled (True) or not, whatever
-    the pickers choose at T (VerifyConfig.unroll_steps), while the block runs."""
+def verify_config(group):
+    """The tree's and the chain's verify with ``group``'s VerifyConfig fields (harness.parse_configs
+    syntax) over the config each picker chooses, while the block runs (graph capture included)."""
     from kdakit.ops import mtp_verify as chain_module, tree_verify as tree_module
     pinned = (chain_module.mtp_verify_config, tree_module.tree_verify_config)
-    chain_module.mtp_verify_config = lambda *a, **kw: dataclasses.replace(pinned[0](*a, **kw), unroll_steps=unroll)
-    tree_module.tree_verify_config = lambda *a, **kw: dataclasses.replace(pinned[1](*a, **kw), unroll_steps=unroll)
+    chain_module.mtp_verify_config = lambda *a, **kw: harness.parse_configs(group, VerifyConfig, base=pinned[0](*a, **kw))[0]
+    tree_module.tree_verify_config = lambda *a, **kw: harness.parse_configs(group, VerifyConfig, base=pinned[1](*a, **kw))[0]
     try:
         yield
     finally:
         chain_module.mtp_verify_config, tree_module.tree_verify_config = pinned
 
 
-def check_step_loops(results, N=8, T=16):
-    """Both step-loop forms, bitwise: outputs and snapshots of a top-2 tree and of the chain."""
-    for shape, call in (("top2", tree_call), ("chain", chain_call)):
-        got = []
-        for unroll in (True, False):
+def check_configs(results, groups, N=8, T=16):
+    """Every swept config against the picked one, bitwise: outputs and snapshots of a top-2
+    tree, a random tree and the chain (a loop, an unrolled loop, a prefetch: the same bits)."""
+    for shape, call in (("top2", tree_call), ("random", tree_call), ("chain", chain_call)):
+        got = {}
+        for group in ["", *groups]:
             L = make_layer(N, T, conv=False, mode="snapshot", shape=shape, seed=5)
-            with step_loop(unroll):
+            with verify_config(group):
                 call(L)()
-            got.append((L["out"], L["snapshots"]))
-        same = all(torch.equal(x, y) for x, y in zip(*got))
-        results["checks"].append({"case": f"{shape}-N{N}-T{T}-step-loop-bitwise-unrolled", "ok": same})
+            got[group] = (L["out"], L["snapshots"])
+        for group in groups:
+            same = all(torch.equal(x, y) for x, y in zip(got[""], got[group]))
+            results["checks"].append({"case": f"{shape}-N{N}-T{T}-[{group}]-bitwise-picked", "ok": same})
 
 
 def add_row(results, name, t, moved, **extra):
@@ -243,7 +244,7 @@ def time_calls(results, name, layers, call, moved, **base):
     add_row(results, name, t, moved, layers=len(layers), **base)
 
 
-def timings(results, batches, nodes, conv_too=True, step_loops=False):
+def timings(results, batches, nodes, conv_too=True, groups=()):
     for T in nodes:
         for N in batches:
             base = {"N": N, "T": T}
@@ -256,14 +257,11 @@ def timings(results, batches, nodes, conv_too=True, step_loops=False):
                     time_calls(results, f"tree-snapshot-{shape}{suffix}", layers, tree_call, moved, **base)
                     if shape == "chain":  # the chain verify on the same work
                         time_calls(results, f"chain-snapshot{suffix}", layers, chain_call, moved, **base)
-                    if step_loops and not conv:  # both loop forms, whichever the picker takes at T
-                        for unroll in (True, False):
-                            with step_loop(unroll):
-                                time_calls(results, f"tree-snapshot-{shape}[unroll_steps={unroll}]", layers,
-                                           tree_call, moved, **base)
-                                if shape == "chain":
-                                    time_calls(results, f"chain-snapshot[unroll_steps={unroll}]", layers,
-                                               chain_call, moved, **base)
+                    for group in (groups if not conv else ()):  # the swept configs, same layers
+                        with verify_config(group):
+                            time_calls(results, f"tree-snapshot-{shape}[{group}]", layers, tree_call, moved, **base)
+                            if shape == "chain":
+                                time_calls(results, f"chain-snapshot[{group}]", layers, chain_call, moved, **base)
                     if shape == "top2" and not conv:
                         for L in layers:
                             tree_call(L)()
@@ -299,8 +297,9 @@ def main():
     ap.add_argument("--batches", default=None, help="comma-separated N (default 8,64,256)")
     ap.add_argument("--nodes", default=None, help="comma-separated T (default 4,8,16)")
     ap.add_argument("--skip-checks", action="store_true", help="timings only (the checks have passed on this build)")
-    ap.add_argument("--step-loops", action="store_true",
-                    help="also time the snapshot verifies with the step loop unrolled and not (VerifyConfig.unroll_steps)")
+    ap.add_argument("--configs", default=None,
+                    help="VerifyConfig variants of the snapshot verifies (tree and chain) to time besides the picked "
+                         "one, harness.parse_configs syntax, e.g. 'unroll_steps=false;prefetch_parent=true'")
     ap.add_argument("--name", default="tree_verify_h200")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -308,15 +307,16 @@ def main():
         return 2
     batches = [int(x) for x in args.batches.split(",")] if args.batches else ([8, 64] if args.quick else [8, 64, 256])
     nodes = [int(x) for x in args.nodes.split(",")] if args.nodes else ([4, 8] if args.quick else [4, 8, 16])
+    groups = harness.config_groups(args.configs, VerifyConfig, base=VerifyConfig(block_v=8))
     results = harness.new_results(H=H, HV=HV, K=K, V=V, lower_bound=LOWER_BOUND)
     if not args.skip_checks:
         correctness(results)
-        check_step_loops(results)
+        check_configs(results, groups)
     failed = [c["case"] for c in results["checks"] if not c["ok"]]
     for c in results["checks"]:
         print(("ok   " if c["ok"] else "FAIL ") + c["case"], {k: v for k, v in c.items() if k not in ("case", "ok")})
     if not failed:
-        timings(results, batches, nodes, conv_too=not args.quick, step_loops=args.step_loops)
+        timings(results, batches, nodes, conv_too=not args.quick, groups=groups)
     harness.close_results(results)
     path = harness.save(results, args.name, harness.results_folder(__file__))
     harness.print_table(results["rows"], ["name", "N", "T", "us", "GB/s", "pct_of_copy", "layers"])

@@ -500,22 +500,26 @@ def test_16_bit_pool_and_snapshots(pool_dtype):
 
 @pytest.mark.parametrize("mode", ["snapshot", "ring"])
 def test_node_loop_equals_unrolled_nodes_bitwise(mode, monkeypatch):
-    """``VerifyConfig.unroll_steps=False`` (a loop over the nodes, picked for long trees) gives
-    the unrolled kernel's bits: outputs, snapshots or ring entries, windows."""
+    """``VerifyConfig.unroll_steps=False`` (a loop over the nodes, picked for long trees), with
+    and without ``prefetch_parent``, gives the unrolled kernel's bits: outputs, snapshots or
+    ring entries, windows."""
     from kdakit.ops import tree_verify as module
-    T = 6
+    T = 7
     p, d = make_problem(41, T=T, HV=2, act=torch.bfloat16, conv=True, norm=True, K=16, V=16)
     p["slot_indices"][1] = -1
+    p["parents"][0] = torch.tensor([-1, 0, 0, 1, -1, 3, 2], dtype=torch.int32)  # a second root, reloads
     pinned = module.tree_verify_config
-    got = {}
-    for unroll in (True, False):
+    got = []
+    for variant in (dict(unroll_steps=True), dict(unroll_steps=False),
+                    dict(unroll_steps=False, prefetch_parent=True)):
         monkeypatch.setattr(module, "tree_verify_config",
-                            lambda *a, **kw: dataclasses.replace(pinned(*a, **kw), unroll_steps=unroll))
+                            lambda *a, **kw: dataclasses.replace(pinned(*a, **kw), **variant))
         bufs = fresh_buffers(d)
         extra = {}
         if mode == "ring":
             bufs["snapshots"], extra["rings"] = None, ring_buffers(d)
         out = call_tree(p, bufs, conv=True, lower_bound=None, backend="triton", **extra)
-        got[unroll] = [out, *bufs["intermediate_conv"], *(extra["rings"] if mode == "ring" else [bufs["snapshots"]])]
-    for x, y in zip(got[True], got[False]):
-        assert torch.equal(x, y)
+        got.append([out, *bufs["intermediate_conv"], *(extra["rings"] if mode == "ring" else [bufs["snapshots"]])])
+    for variant in got[1:]:
+        for x, y in zip(got[0], variant):
+            assert torch.equal(x, y)
