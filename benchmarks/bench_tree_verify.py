@@ -210,8 +210,10 @@ def verify_config(group):
     syntax) over the config each picker chooses, while the block runs (graph capture included)."""
     from kdakit.ops import mtp_verify as chain_module, tree_verify as tree_module
     pinned = (chain_module.mtp_verify_config, tree_module.tree_verify_config)
-    chain_module.mtp_verify_config = lambda *a, **kw: harness.parse_configs(group, VerifyConfig, base=pinned[0](*a, **kw))[0]
-    tree_module.tree_verify_config = lambda *a, **kw: harness.parse_configs(group, VerifyConfig, base=pinned[1](*a, **kw))[0]
+    def with_group(picker):  # an empty group: the picked config itself
+        return lambda *a, **kw: (harness.parse_configs(group, VerifyConfig, base=picker(*a, **kw)) or
+                                 [picker(*a, **kw)])[0]
+    chain_module.mtp_verify_config, tree_module.tree_verify_config = (with_group(p) for p in pinned)
     try:
         yield
     finally:
