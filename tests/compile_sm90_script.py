@@ -200,6 +200,22 @@ chunk_form(tree_verify_triton, tree_verify_config, tq, tk, tv, ta, tb, torch.ran
 chunk_form(tree_verify_triton, tree_verify_config, tq, tk, tv, ta, tb, torch.rand(HT), torch.randn(HT * K), t_state,
            idx, scratch, t_parents.long(), rings=t_rings)
 assert "_tree_verify_kernel" not in COMPILED_FOR_TARGET[n_before:], COMPILED_FOR_TARGET[n_before:]
+# Long trees and chains: the node / step loop (VerifyConfig.unroll_steps=False), with the
+# parent prefetch in snapshot mode and the refold in ring mode's recurrence.
+TL = 9
+lq, lk, lv = rnd(N, TL, HT, K), rnd(N, TL, HT, K), rnd(N, TL, HT, V)
+la, lb = rnd(N, TL, HT, K), rnd(N, TL, HT)
+l_parents = torch.tensor([[-1, 0, 0, 1, 1, 2, 2, 3, -1], [-1, 0, 1, 2, 3, 4, 5, 6, 7]], dtype=torch.int32)
+n_before = len(COMPILED_FOR_TARGET)
+kdakit.tree_verify(lq, lk, lv, la, lb, torch.rand(HT), torch.randn(HT * K), t_state, idx, scratch, l_parents,
+                   snapshots=torch.zeros(2, TL, HT, V, K), backend="triton")
+kdakit.tree_verify(lq, lk, lv, la, lb, torch.rand(HT), torch.randn(HT * K), t_state, idx, scratch, l_parents,
+                   rings=(rnd(slots, HT, TL, K), rnd(slots, HT, TL, V), torch.zeros(slots, HT, TL, K),
+                          torch.zeros(slots, HT, TL)), backend="triton")
+kdakit.mtp_verify(lq, lk, lv, la, lb, torch.rand(HT), torch.randn(HT * K), t_state, idx, scratch,
+                  snapshots=torch.zeros(2, TL, HT, V, K), backend="triton")
+assert COMPILED_FOR_TARGET[n_before:] == ["_tree_verify_kernel"] * 2 + ["_mtp_verify_kernel"], \
+    COMPILED_FOR_TARGET[n_before:]
 for name, op in OPS.items():  # each example is one more compile of its kernels: only where needed
     if name not in RAN:
         n_before = len(COMPILED_FOR_TARGET)

@@ -523,3 +523,11 @@ def test_node_loop_equals_unrolled_nodes_bitwise(mode, monkeypatch):
     for variant in got[1:]:
         for x, y in zip(got[0], variant):
             assert torch.equal(x, y)
+
+
+def test_long_trees_loop_over_their_nodes_with_the_parent_prefetch():
+    from kdakit.ops.tree_verify import TREE_UNROLL_NODES_MAX, tree_verify_config
+    assert TREE_UNROLL_NODES_MAX == 4
+    short, long = tree_verify_config(64, 4, 32, 128, 128, None), tree_verify_config(64, 8, 32, 128, 128, None)
+    assert short.unroll_steps and not short.prefetch_parent
+    assert not long.unroll_steps and long.prefetch_parent

@@ -264,13 +264,15 @@ def tree_verify_config(N: int, T: int, HV: int, V: int, K: int, lower_bound) -> 
     """The tree verify's pinned config: the chain verify's recurrence tile and ring forms
     (its ``conv`` unused: the tree conv's is ``tree_conv.TreeConvConfig``)."""
     block_v, num_warps = recurrence_tile(V, K)
+    unrolled = unroll_steps(T, TREE_UNROLL_NODES_MAX)
     return VerifyConfig(block_v=block_v, num_warps=num_warps, ring_form=ring_form(N, HV, T),
-                        ring=ring_verify_config(T, lower_bound), unroll_steps=unroll_steps(T, TREE_UNROLL_NODES_MAX))
+                        ring=ring_verify_config(T, lower_bound), unroll_steps=unrolled,
+                        prefetch_parent=not unrolled)
 
 
-# A tree's node loop is unrolled up to this many nodes. At 8 nodes the loop is faster for
-# top-2 trees (338 against 379 us at N = 64; tree_verify_step_loops_h200.json): the reloads
-# of a parent's snapshot are branches either way, and the loop's code stays in cache.
+# A tree's node loop is unrolled up to this many nodes; beyond, a loop that loads each node's
+# parent tile a node early (docs/tuning.md, "Tree verify": at 8 and 16 nodes the loop with the
+# prefetch is 1.01-1.04x the chain verify for top-2 trees, 1.02-1.15x for random ones).
 TREE_UNROLL_NODES_MAX = 4
 
 
