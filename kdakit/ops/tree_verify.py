@@ -208,15 +208,31 @@ def _tree_verify_kernel(
                     # have stored elements that one reloads. After every store rather than before each
                     # reload: a barrier inside the reload branch held 128 registers instead of 96.
                     tl.debug_barrier()
-    elif RING or not PREFETCH_PARENT:
+    else:
         # Many nodes as a loop: unrolled, the code of 16 nodes outgrows the instruction cache.
-        # The last node loads node T - 1's inputs again rather than branch.
+        # The last node loads node T - 1's inputs again rather than branch. PREFETCH_PARENT
+        # (snapshot mode): node t + 1's starting tile, when its parent is not node t, is the
+        # committed tile or a snapshot stored behind an earlier barrier, so it loads while node
+        # t computes (one more tile in registers: 128 against 80 at K = V = 128).
+        PREFETCH: tl.constexpr = PREFETCH_PARENT and not RING
+        start = S
         for t in range(T):
             cur = nxt
             if t > 0:
-                S = _node_start(S, t, par, s_ptrs, state_h, snap_h, tile, mask_s, s_snap_t, x_q, x_k, x_v, a, b, n64,
-                                i_hv, ch_qk, ch_v, offs_k, mask_k, mask_v, bias, A_log_h, lower_bound, T, H, HV, K,
-                                V, SAFE_GATE, BLOCK_T, RING)
+                if PREFETCH:
+                    if tree_parent(par, t, BLOCK_T) != t - 1:
+                        S = start
+                else:
+                    S = _node_start(S, t, par, s_ptrs, state_h, snap_h, tile, mask_s, s_snap_t, x_q, x_k, x_v, a, b,
+                                    n64, i_hv, ch_qk, ch_v, offs_k, mask_k, mask_v, bias, A_log_h, lower_bound, T, H,
+                                    HV, K, V, SAFE_GATE, BLOCK_T, RING)
+            if PREFETCH:
+                p_next = tree_parent(par, tl.minimum(t + 1, T - 1), BLOCK_T)
+                if (t + 1 < T) & (p_next != t):
+                    if p_next < 0:
+                        start = tl.load(state_h + tile, mask=mask_s, other=0.0).to(tl.float32)
+                    else:
+                        start = tl.load(snap_h + p_next * s_snap_t + tile, mask=mask_s, other=0.0).to(tl.float32)
             nxt = _load_step(x_q, x_k, x_v, a, b, tl.minimum(t + 1, T - 1), n64, i_hv, ch_qk, ch_v, offs_k, mask_k,
                              mask_v, bias, A_log_h, lower_bound, T, H, HV, K, V, SAFE_GATE)
             S = _node_step(S, cur, t, live, slot, n64, i_h, i_hv, i_v, offs_k, offs_v, mask_v, mask_s, mask_v_live,
@@ -224,30 +240,7 @@ def _tree_verify_kernel(
                            ring_g, ring_beta, s_rk_slot, s_rv_slot, s_rg_slot, s_rb_slot, ring_len, scale, T, HV,
                            K, V, RING)
             if not RING:
-                tl.debug_barrier()  # as above
-    else:
-        # Snapshot mode's loop (as above): node t + 1's starting tile, when its parent is not
-        # node t, is the committed tile or a snapshot stored behind an earlier barrier, so it
-        # loads while node t computes (one more tile in registers: 128 against 80 at K = V = 128).
-        start = S
-        for t in range(T):
-            cur = nxt
-            if t > 0:
-                if tree_parent(par, t, BLOCK_T) != t - 1:
-                    S = start
-            p_next = tree_parent(par, tl.minimum(t + 1, T - 1), BLOCK_T)
-            if (t + 1 < T) & (p_next != t):
-                if p_next < 0:
-                    start = tl.load(state_h + tile, mask=mask_s, other=0.0).to(tl.float32)
-                else:
-                    start = tl.load(snap_h + p_next * s_snap_t + tile, mask=mask_s, other=0.0).to(tl.float32)
-            nxt = _load_step(x_q, x_k, x_v, a, b, tl.minimum(t + 1, T - 1), n64, i_hv, ch_qk, ch_v, offs_k, mask_k,
-                             mask_v, bias, A_log_h, lower_bound, T, H, HV, K, V, SAFE_GATE)
-            S = _node_step(S, cur, t, live, slot, n64, i_h, i_hv, i_v, offs_k, offs_v, mask_v, mask_s, mask_v_live,
-                           mask_k_head, mask_k_key_head, tile, snap_h, s_snap_t, out, snapshots, ring_k, ring_v,
-                           ring_g, ring_beta, s_rk_slot, s_rv_slot, s_rg_slot, s_rb_slot, ring_len, scale, T, HV,
-                           K, V, RING)
-            tl.debug_barrier()  # node t's snapshot visible to every thread before a later prefetch
+                tl.debug_barrier()  # node t's snapshot visible to every thread before a later load of it
 
 
 _tree_verify = CachedKernel(_tree_verify_kernel)
