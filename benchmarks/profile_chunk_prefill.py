@@ -37,10 +37,20 @@ def kernel_times(call, reps=5):
         for _ in range(reps):
             call()
         torch.cuda.synchronize()
-    per = defaultdict(float)
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            per[ev.name[:60]] += ev.device_time / reps
+    # A kernel launched several times a call (the split prep's three launches) keeps its
+    # launches apart: "name #i" for its i-th launch of each call, in launch order.
+    events = sorted((ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA),
+                    key=lambda ev: ev.time_range.start)
+    counts = defaultdict(int)
+    for ev in events:
+        counts[ev.name[:60]] += 1
+    seen, per = defaultdict(int), defaultdict(float)
+    for ev in events:
+        name = ev.name[:60]
+        per_call = max(1, counts[name] // reps)
+        key = name if per_call == 1 else f"{name} #{seen[name] % per_call}"
+        seen[name] += 1
+        per[key] += ev.device_time / reps
     return dict(per)
 
 
@@ -57,7 +67,7 @@ def main():
     ap.add_argument("--fla", action="store_true")
     ap.add_argument("--H", type=int, default=32)
     ap.add_argument("--safe", action="store_true", help="the safe gate (lower_bound -5)")
-    ap.add_argument("--configs", default=DEFAULT_CONFIGS)
+    ap.add_argument("--configs", default=DEFAULT_CONFIGS, help="'' for the picked config alone")
     args = ap.parse_args()
     lb = -5.0 if args.safe else None
     for case in args.cases.split(","):
