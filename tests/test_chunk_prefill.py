@@ -457,3 +457,31 @@ def test_chunk_form_algebra_in_float64(lower_bound):
 def test_zz_print_errors():
     for name, err in ERRORS.items():
         print(f"{name}: rel err {err:.2e}")
+
+
+@pytest.mark.parametrize("split_prep", [False, True], ids=["one-launch", "split-prep"])
+@pytest.mark.parametrize("l2norm", [True, False], ids=["l2norm", "no-l2norm"])
+def test_qk_from_input_equals_the_workspace_bitwise(split_prep, l2norm):
+    """``ChunkConfig.qk_from_input``: the later prep phases read q and k from the inputs and
+    divide by the kept row norms; outputs and states bit for bit the workspace path's. Steep
+    and mild sub-blocks (both in-sub-block paths), GVA, bf16 inputs, a sequence of one token
+    and one off the chunk grid."""
+    H, HV, K, V = 1, 2, 32, 16
+    x, _, _, cu, state, T = make_case(H, HV, K, V, [70, 1, 23], seed=8, raw_gate=False, act=torch.bfloat16,
+                                      extra_tokens=3)
+    x["g"][0, 10:40, :, : K // 4] = -20.0
+    idx = torch.tensor([3, 0, 5], dtype=torch.int32)
+    got = []
+    for from_input in (False, True):
+        pool = state.clone()
+        out = torch.full((1, T, HV, V), POISON).to(torch.bfloat16)
+        cfg = ChunkConfig(chunk=32, block_v=16, dot_precision="ieee", split_prep=split_prep,
+                          qk_from_input=from_input)
+        chunk_prefill_triton(x["q"], x["k"], x["v"], x["g"], x["beta"], pool, idx, out, cu_seqlens=cu,
+                             scale=K ** -0.5, use_qk_l2norm=l2norm, A_log=None, dt_bias=None, lower_bound=None,
+                             beta_mode=BETA_SIGMOID, has_initial_state=None, chunk_states=None,
+                             chunk_state_indices=None, config=cfg)
+        got.append((out, pool))
+    assert torch.isfinite(got[0][0].float()[:, :94]).all()
+    assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
+    assert (got[1][0][:, 94:] == POISON).all()

@@ -110,6 +110,9 @@ class ChunkConfig:
     #                                  launches; fills the GPU for one long sequence with few heads)
     split_prep: bool = False         # the prep as three launches (token-parallel; exact in-sub-block
     #                                  pairs, a program per sub-block; the rest): fewer registers each
+    qk_from_input: bool = False      # prep: the later phases read q and k from the inputs and divide by
+    #                                  the row norms the first phase keeps, instead of float32 k̂ and q̂
+    #                                  in the workspace (the same values: fewer bytes moved)
 
 
 def chunk_config(N: int, HV: int, K: int, V: int, chunk: int = CHUNK_SIZE) -> ChunkConfig:
@@ -146,7 +149,7 @@ def _bcast(flag, like):
 @triton.jit
 def _chunk_prep_kernel(
     q, k, v, g, beta, A_log, dt_bias, cu_seqlens, chunk_first, chunk_seq,
-    ws_q, ws_k, ws_w, ws_u, ws_p, ws_a, ws_g,
+    ws_q, ws_k, ws_w, ws_u, ws_p, ws_a, ws_g, ws_n,
     num_seqs, T,
     stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_g_t, stride_g_h,
     stride_b_t, stride_b_h,
@@ -155,14 +158,16 @@ def _chunk_prep_kernel(
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, C: tl.constexpr, SLICE: tl.constexpr,
     USE_QK_L2NORM: tl.constexpr, GATE_IN_KERNEL: tl.constexpr, SAFE_GATE: tl.constexpr,
     BETA_MODE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PHASES: tl.constexpr, SUB_BLOCK_PROGRAMS: tl.constexpr,
+    PHASES: tl.constexpr, SUB_BLOCK_PROGRAMS: tl.constexpr, QK_FROM_INPUT: tl.constexpr,
 ):
     # Every phase reads what it needs back from the (L2-resident) workspace in 16-row or
     # SLICE-column pieces, so that no [C, K] tile outlives its phase: whole-chunk tiles kept
     # live across phases spill registers. PHASES (bits: 1 token-parallel, 2 the exact
     # in-sub-block pairs, 4 the rest) lets a launch run some of them: split over launches,
     # each kernel holds fewer registers, so more programs share an SM. SUB_BLOCK_PROGRAMS:
-    # one program per sub-block (program_id 2) instead of a loop over them.
+    # one program per sub-block (program_id 2) instead of a loop over them. QK_FROM_INPUT:
+    # the first phase keeps each row's norms of k and q (ws_n), and the later phases read
+    # q and k from the inputs and divide as the first phase would have (_unit_rows).
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     c64 = i_c.to(tl.int64)
@@ -190,6 +195,9 @@ def _chunk_prep_kernel(
     ww = ws_w + ws_row * BLOCK_K
     wa = ws_a + ws_row * C
     wp = ws_p + ws_row * C
+    wn = ws_n + ws_row * 2  # (norm of k, norm of q) a row, with QK_FROM_INPUT
+    k_h = k + i_h * stride_k_h
+    q_h = q + i_h * stride_q_h
 
     # ---- token-parallel: normalised k̂ and q̂ (scaled), the cumulative decay Γ ----
     # In SLICE-column pieces too: the row norms first, over every piece.
@@ -209,17 +217,25 @@ def _chunk_prep_kernel(
                 ss_q += tl.sum(b_q * b_q, axis=1)
             norm_k = tl.sqrt(ss_k + 1e-6)
             norm_q = tl.sqrt(ss_q + 1e-6)
+        if QK_FROM_INPUT:
+            if USE_QK_L2NORM:
+                tl.store(wn + offs_c * 2, norm_k)
+                tl.store(wn + offs_c * 2 + 1, norm_q)
+            else:  # x / 1 is x: the later phases divide either way
+                tl.store(wn + offs_c * 2, tl.full([C], 1.0, tl.float32))
+                tl.store(wn + offs_c * 2 + 1, tl.full([C], 1.0, tl.float32))
         for kk in tl.static_range(0, BLOCK_K, SLICE):
             in_k = (kk + offs_n) < K
             m = mask_c[:, None] & in_k[None, :]
             p_sl = offs_c[:, None] * BLOCK_K + kk + offs_n[None, :]
-            b_k = tl.load(p_kt + kk + offs_n[None, :], mask=m, other=0.0).to(tl.float32)
-            b_q = tl.load(p_qt + kk + offs_n[None, :], mask=m, other=0.0).to(tl.float32)
-            if USE_QK_L2NORM:
-                b_k = b_k / norm_k[:, None]
-                b_q = b_q / norm_q[:, None]
-            tl.store(wk + p_sl, b_k)
-            tl.store(wq + p_sl, b_q * scale)
+            if not QK_FROM_INPUT:
+                b_k = tl.load(p_kt + kk + offs_n[None, :], mask=m, other=0.0).to(tl.float32)
+                b_q = tl.load(p_qt + kk + offs_n[None, :], mask=m, other=0.0).to(tl.float32)
+                if USE_QK_L2NORM:
+                    b_k = b_k / norm_k[:, None]
+                    b_q = b_q / norm_q[:, None]
+                tl.store(wk + p_sl, b_k)
+                tl.store(wq + p_sl, b_q * scale)
             b_g = tl.load(p_gt + kk + offs_n[None, :], mask=m, other=0.0).to(tl.float32)
             if GATE_IN_KERNEL:
                 A_h = tl.load(A_log + i_hv).to(tl.float32)
@@ -259,12 +275,24 @@ def _chunk_prep_kernel(
                         p_col = tl.zeros([16], dtype=tl.float32)
                         for kk in tl.static_range(0, BLOCK_K, SLICE):
                             p_ik = rows[:, None] * BLOCK_K + kk + offs_n[None, :]
-                            k_r = tl.load(wk + (i * 16 + r) * BLOCK_K + kk + offs_n)
+                            if QK_FROM_INPUT:  # row i·16 + r alone, as _unit_rows would give it
+                                row_r = offs_n * 0 + i * 16 + r
+                                k_r = tl.load(k_h + (t0 + row_r) * stride_k_t + kk + offs_n,
+                                              mask=(row_r < n_tok) & ((kk + offs_n) < K), other=0.0).to(tl.float32)
+                                k_r = k_r / tl.load(wn + row_r * 2) * 1.0
+                            else:
+                                k_r = tl.load(wk + (i * 16 + r) * BLOCK_K + kk + offs_n)
                             G_r = tl.load(ww + (i * 16 + r) * BLOCK_K + kk + offs_n)
                             d = tl.where((offs_s >= r)[:, None], tl.load(ww + p_ik) - G_r[None, :], float("-inf"))
                             kr = k_r[None, :] * tl.exp(d)
-                            a_col += tl.sum(tl.load(wk + p_ik) * kr, axis=1)
-                            p_col += tl.sum(tl.load(wq + p_ik) * kr, axis=1)
+                            if QK_FROM_INPUT:
+                                a_col += tl.sum(_unit_rows(k_h, wn, 0, 1.0, t0, n_tok, rows, kk + offs_n, stride_k_t,
+                                                           K) * kr, axis=1)
+                                p_col += tl.sum(_unit_rows(q_h, wn, 1, scale, t0, n_tok, rows, kk + offs_n,
+                                                           stride_q_t, K) * kr, axis=1)
+                            else:
+                                a_col += tl.sum(tl.load(wk + p_ik) * kr, axis=1)
+                                p_col += tl.sum(tl.load(wq + p_ik) * kr, axis=1)
                         tl.store(wa + rows * C + i * 16 + r, tl.where(offs_s > r, a_col * beta_i, 0.0))
                         tl.store(wp + rows * C + i * 16 + r, p_col)
     b_beta = _beta_values(beta, tok, mask_c, stride_b_t, stride_b_h, i_hv, BETA_MODE)
@@ -281,9 +309,17 @@ def _chunk_prep_kernel(
                     p_sl = offs_c[:, None] * BLOCK_K + kk + offs_n[None, :]
                     left = tl.exp(tl.where(below[:, None], tl.load(ww + p_sl) - G_ref[None, :], float("-inf")))
                     p_jk = (j * 16 + offs_s)[:, None] * BLOCK_K + kk + offs_n[None, :]
-                    right = tl.trans(tl.load(wk + p_jk) * tl.exp(G_ref[None, :] - tl.load(ww + p_jk)))  # [SLICE, 16]
-                    acc_a = tl.dot(tl.load(wk + p_sl) * left, right, acc_a, input_precision=DOT_PRECISION)
-                    acc_p = tl.dot(tl.load(wq + p_sl) * left, right, acc_p, input_precision=DOT_PRECISION)
+                    if QK_FROM_INPUT:
+                        k_j = _unit_rows(k_h, wn, 0, 1.0, t0, n_tok, j * 16 + offs_s, kk + offs_n, stride_k_t, K)
+                        right = tl.trans(k_j * tl.exp(G_ref[None, :] - tl.load(ww + p_jk)))  # [SLICE, 16]
+                        k_c = _unit_rows(k_h, wn, 0, 1.0, t0, n_tok, offs_c, kk + offs_n, stride_k_t, K)
+                        acc_a = tl.dot(k_c * left, right, acc_a, input_precision=DOT_PRECISION)
+                        q_c = _unit_rows(q_h, wn, 1, scale, t0, n_tok, offs_c, kk + offs_n, stride_q_t, K)
+                        acc_p = tl.dot(q_c * left, right, acc_p, input_precision=DOT_PRECISION)
+                    else:
+                        right = tl.trans(tl.load(wk + p_jk) * tl.exp(G_ref[None, :] - tl.load(ww + p_jk)))
+                        acc_a = tl.dot(tl.load(wk + p_sl) * left, right, acc_a, input_precision=DOT_PRECISION)
+                        acc_p = tl.dot(tl.load(wq + p_sl) * left, right, acc_p, input_precision=DOT_PRECISION)
                 col = j * 16 + offs_s
                 p_col = offs_c[:, None] * C + col[None, :]
                 keep_a = offs_c[:, None] > col[None, :]  # strictly lower (the block's own rows when factored)
@@ -305,8 +341,12 @@ def _chunk_prep_kernel(
             p_sl = offs_c[:, None] * BLOCK_K + kk + offs_n[None, :]
             G = tl.load(ww + p_sl)
             G_last = tl.load(ww + (C - 1) * BLOCK_K + kk + offs_n)
-            kn = tl.load(wk + p_sl)
-            qn = tl.load(wq + p_sl)
+            if QK_FROM_INPUT:
+                kn = _unit_rows(k_h, wn, 0, 1.0, t0, n_tok, offs_c, kk + offs_n, stride_k_t, K)
+                qn = _unit_rows(q_h, wn, 1, scale, t0, n_tok, offs_c, kk + offs_n, stride_q_t, K)
+            else:
+                kn = tl.load(wk + p_sl)
+                qn = tl.load(wq + p_sl)
             e_G = tl.exp(G)
             b_w = tl.dot(b_T, kn * e_G * b_beta[:, None], input_precision=DOT_PRECISION)
             tl.debug_barrier()
@@ -320,6 +360,16 @@ def _chunk_prep_kernel(
                           mask=mask_c[:, None] & (offs_v < V)[None, :], other=0.0).to(tl.float32)
             b_u = tl.dot(b_T, b_v * b_beta[:, None], input_precision=DOT_PRECISION)
             tl.store(ws_u + ws_row * BLOCK_V + offs_c[:, None] * BLOCK_V + offs_v[None, :], b_u)
+
+
+@triton.jit
+def _unit_rows(x_head, norms, which, scale, t0, n_tok, rows, cols, stride_t, K: tl.constexpr):
+    """k̂ (``which`` 0, ``scale`` 1) or q̂ (``which`` 1, the q scale) of the chunk's ``rows`` and
+    ``cols`` from the input, as the workspace would hold them (``x / norm * scale``, the first
+    phase's arithmetic; zeros past the chunk's tokens and K)."""
+    m = (rows < n_tok)[:, None] & (cols < K)[None, :]
+    x = tl.load(x_head + (t0 + rows)[:, None] * stride_t + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    return x / tl.load(norms + rows * 2 + which)[:, None] * scale
 
 
 @triton.jit
@@ -600,19 +650,21 @@ def chunk_prefill_triton(q, k, v, g, beta, state, slot_indices, out, *, cu_seqle
     ws_p = torch.empty(rows, C, dtype=torch.float32, device=dev)
     ws_a = torch.empty(rows, C, dtype=torch.float32, device=dev)
     ws_g = torch.empty(max_chunks * HV, BK, dtype=torch.float32, device=dev)
+    ws_n = torch.empty(rows, 2, dtype=torch.float32, device=dev) if cfg.qk_from_input else ws_g
     gate = A_log is not None
     if lower_bound is None:
         spread_max = cfg.factor_spread_max
     else:  # a sub-block's spread is below 16 |lower_bound|: up to e^80 (|lower_bound| <= 5), all factored
         spread_max = SAFE_SPREAD_MAX if cfg.factor_safe_gate else -1.0
     prep_args = (q, k, v, g, beta, A_log if gate else q, dt_bias if gate else q, cu_seqlens, first, seq,
-                 ws_q, ws_k, ws_w, ws_u, ws_p, ws_a, ws_g, N, T,
+                 ws_q, ws_k, ws_w, ws_u, ws_p, ws_a, ws_g, ws_n, N, T,
                  q.stride(1), q.stride(2), k.stride(1), k.stride(2), v.stride(1), v.stride(2), g.stride(1),
                  g.stride(2), beta.stride(1), beta.stride(2),
                  float(scale), float(lower_bound) if lower_bound is not None else 0.0, float(spread_max))
     prep_constexprs = dict(H=H, HV=HV, K=K, V=V, BLOCK_K=BK, BLOCK_V=BVW, C=C, SLICE=min(cfg.slice_k, BK, BVW),
                            USE_QK_L2NORM=bool(use_qk_l2norm), GATE_IN_KERNEL=gate, SAFE_GATE=lower_bound is not None,
-                           BETA_MODE=int(beta_mode), DOT_PRECISION=cfg.dot_precision)
+                           BETA_MODE=int(beta_mode), DOT_PRECISION=cfg.dot_precision,
+                           QK_FROM_INPUT=bool(cfg.qk_from_input))
     if cfg.split_prep:
         launches = [((max_chunks, HV), 1, False), ((max_chunks, HV, C // SUB), 2, True), ((max_chunks, HV), 4, False)]
     else:
