@@ -41,7 +41,9 @@ The kernels:
    ``u``, ``q̂ ⊙ e^Γ``, ``k̂ ⊙ e^(Γ_C - Γ)``, ``P`` and ``e^Γ_C`` into a float32 workspace.
    Each phase reads its pieces back from the workspace (16-row sub-blocks,
    ``ChunkConfig.slice_k``-column pieces), so that no whole-chunk tile outlives its phase:
-   those spill registers. With ``ChunkConfig.split_prep`` (the picked default) the phases
+   those spill registers. With ``ChunkConfig.qk_from_input`` the first phase keeps only the
+   rows' norms of k and q (two floats a row), and the later phases read q and k from the
+   inputs and normalise them as they load. With ``ChunkConfig.split_prep`` (the picked default) the phases
    run as three launches of the same kernel (token-parallel; the exact pairs of steep
    sub-blocks, a program per sub-block; the rest), each holding fewer registers.
 2. ``_chunk_state_kernel``, one program per (sequence, value head, V tile), serial over
