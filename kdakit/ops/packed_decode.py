@@ -260,7 +260,3 @@ def _example(seed, device="cpu", *, act=torch.bfloat16, out=True):
     if out:
         kw["out"] = torch.full((B, 1, HV, V), 7.0, dtype=act, device=device)
     return packed_decode, args, kw
-
-
-# Registers the helion backend; helion itself is imported only when that backend runs.
-from . import packed_decode_helion  # noqa: E402,F401
