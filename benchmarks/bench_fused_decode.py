@@ -42,10 +42,10 @@ W = 4  # Kimi short conv width
 def make_layer(N, H, HV, K, V, **kw):
     """inputs.fused_decode_inputs (``kw``: its options), and the unfused chain's buffers."""
     layer = fused_decode_inputs(N, H, HV, K, V, W=W, **kw)
-    C, act_dtype = layer["qkv"].shape[1], layer["qkv"].dtype
-    layer.update(mixed=torch.empty(N, C, device="cuda", dtype=act_dtype),
-                 o=torch.empty(N, 1, HV, V, device="cuda", dtype=act_dtype),
-                 y=torch.empty(N, 1, HV, V, device="cuda", dtype=act_dtype))
+    C, act_dtype, dev = layer["qkv"].shape[1], layer["qkv"].dtype, layer["qkv"].device
+    layer.update(mixed=torch.empty(N, C, device=dev, dtype=act_dtype),
+                 o=torch.empty(N, 1, HV, V, device=dev, dtype=act_dtype),
+                 y=torch.empty(N, 1, HV, V, device=dev, dtype=act_dtype))
     return layer
 
 
@@ -108,7 +108,7 @@ def packed_call(layer):
 
 def ref_fused(layer, norm=True, lower_bound=None):
     st, conv = layer["state"].double(), layer["conv_state"].double()
-    out = torch.empty(layer["out"].shape, dtype=torch.float64, device="cuda")
+    out = torch.empty(layer["out"].shape, dtype=torch.float64, device=layer["out"].device)
     kw = dict(norm_gate=layer["norm_gate"].double(), norm_weight=layer["norm_weight"].double()) if norm else {}
     reference.fused_decode(layer["qkv"].double(), layer["conv_weight"].double(), conv, layer["a"].double(),
                            layer["b"].double(), layer["A_log"].double(), layer["dt_bias"].double(), st, layer["idx"],

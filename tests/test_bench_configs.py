@@ -134,3 +134,24 @@ def test_recurrent_forward_register_cap_only_where_it_does_not_spill():
     assert recurrent_forward_config(8, 32, 128, 128, 128, state_bytes=2).max_registers is None
     assert recurrent_forward_config(8, 32, 128, 64, 128).max_registers is None
     assert recurrent_forward_config(64, 32, 128, 128, 64).max_registers is None  # one token a sequence
+
+
+def test_fused_decode_bench_calls_run_and_match_float64():
+    """The benchmark's call builders at tiny sizes on the CPU (the interpreter): the op and the
+    op's chain with a config group per kernel (launched plainly: the interpreter has no
+    dependent launches), against float64."""
+    layer = bench_fused_decode.make_layer(2, 1, 2, 16, 16, device="cpu")
+    ref_out, ref_state, _ = bench_fused_decode.ref_fused(layer)
+    state0, conv0 = layer["state"].clone(), layer["conv_state"].clone()
+    chain = bench_fused_decode.dependent_chain_call
+    calls = [bench_fused_decode.fused_call(layer), chain(layer, True, False),
+             chain(layer, True, False, groups={"norm": "rows=1"}),
+             chain(layer, True, False, groups={"decode": "v_tiles=1"}),
+             chain(layer, True, False, groups={"conv": "num_warps=1"})]
+    for call in calls:
+        layer["state"].copy_(state0)
+        layer["conv_state"].copy_(conv0)
+        layer["out"].fill_(float("nan"))
+        call()
+        assert bench_fused_decode.rel(layer["out"], ref_out) < 2e-2
+        assert bench_fused_decode.rel(layer["state"], ref_state) < 1e-3
