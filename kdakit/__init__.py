@@ -10,7 +10,8 @@ from .ops.fused_decode import fused_decode  # noqa: E402
 from .ops.gated_rmsnorm import gated_rmsnorm  # noqa: E402
 from .ops.mtp_verify import mtp_verify  # noqa: E402
 from .ops.packed_decode import packed_decode  # noqa: E402
-from .ops import packed_decode_helion  # noqa: E402,F401  (registers packed_decode's helion backend; helion loads on first use)
+# packed_decode's helion backend registers itself on import (helion loads on first use)
+from .ops import packed_decode_helion  # noqa: E402,F401
 from .ops.recurrent_forward import recurrent_forward  # noqa: E402
 from .ops.tree_commit import commit_tree_ring  # noqa: E402
 from .ops.tree_verify import tree_verify  # noqa: E402
