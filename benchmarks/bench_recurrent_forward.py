@@ -258,7 +258,7 @@ def timings(results, groups, quick: bool, kmajor_groups=()):
         ref_out, ref_pool, _ = ref_forward(layers[0])
         snap = layers[0]["state"].clone()
         live = layers[0]["idx"].long()
-        picked = recurrent_forward_config(N, HV, V, K, N * T)
+        picked = recurrent_forward_config(N, HV, V, K, N * T, state_bytes=layers[0]["state"].element_size())
         for name, cfg in [("kdakit", None)] + [(f"kdakit[{group}]", harness.parse_configs(
                 group, RecurrentForwardConfig, base=picked)[0]) for group in groups]:
             layers[0]["state"].copy_(snap)

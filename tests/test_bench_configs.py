@@ -126,6 +126,8 @@ def test_optional_fields_parse_as_numbers_or_none():
     assert harness.parse_configs("max_registers=128", RecurrentForwardConfig, base=base)[0].max_registers == 128
     capped = RecurrentForwardConfig(16, 1, 1, True, False, 128)
     assert harness.parse_configs("max_registers=none", RecurrentForwardConfig, base=capped)[0].max_registers is None
+    with pytest.raises(ValueError, match="max_registers takes a number or none"):
+        harness.parse_configs("max_registers=12x", RecurrentForwardConfig, base=base)
 
 
 def test_recurrent_forward_register_cap_only_where_it_does_not_spill():

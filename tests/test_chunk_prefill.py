@@ -464,12 +464,14 @@ def test_zz_print_errors():
 def test_qk_from_input_equals_the_workspace_bitwise(split_prep, l2norm):
     """``ChunkConfig.qk_from_input``: the later prep phases read q and k from the inputs and
     divide by the kept row norms; outputs and states bit for bit the workspace path's. Steep
-    and mild sub-blocks (both in-sub-block paths), GVA, bf16 inputs, a sequence of one token
+    and mild sub-blocks (both in-sub-block paths, a steep one in a chunk's last, partial
+    sub-block too), GVA, K below its power-of-two tile, bf16 inputs, a sequence of one token
     and one off the chunk grid."""
-    H, HV, K, V = 1, 2, 32, 16
+    H, HV, K, V = 1, 2, 24, 16
     x, _, _, cu, state, T = make_case(H, HV, K, V, [70, 1, 23], seed=8, raw_gate=False, act=torch.bfloat16,
                                       extra_tokens=3)
     x["g"][0, 10:40, :, : K // 4] = -20.0
+    x["g"][0, 64:70, :, : K // 4] = -20.0  # sequence 0's last chunk holds 6 tokens
     idx = torch.tensor([3, 0, 5], dtype=torch.int32)
     got = []
     for from_input in (False, True):

@@ -498,16 +498,18 @@ def test_16_bit_pool_and_snapshots(pool_dtype):
                                                                                       :d["T"]]).all()
 
 
+@pytest.mark.parametrize("lower_bound", [None, -3.0], ids=["default-gate", "safe-gate"])
 @pytest.mark.parametrize("mode", ["snapshot", "ring"])
-def test_node_loop_equals_unrolled_nodes_bitwise(mode, monkeypatch):
+def test_node_loop_equals_unrolled_nodes_bitwise(mode, lower_bound, monkeypatch):
     """``VerifyConfig.unroll_steps=False`` (a loop over the nodes, picked for long trees), with
     and without ``prefetch_parent``, gives the unrolled kernel's bits: outputs, snapshots or
-    ring entries, windows."""
+    ring entries, windows; a padding row, a second root and invalid parents among them."""
     from kdakit.ops import tree_verify as module
     T = 7
     p, d = make_problem(41, T=T, HV=2, act=torch.bfloat16, conv=True, norm=True, K=16, V=16)
     p["slot_indices"][1] = -1
     p["parents"][0] = torch.tensor([-1, 0, 0, 1, -1, 3, 2], dtype=torch.int32)  # a second root, reloads
+    p["parents"][2] = torch.tensor([-1, 0, 5, 1, -3, 4, 2], dtype=torch.int32)  # 5 >= 2 and -3: invalid
     pinned = module.tree_verify_config
     got = []
     for variant in (dict(unroll_steps=True), dict(unroll_steps=False),
@@ -518,7 +520,7 @@ def test_node_loop_equals_unrolled_nodes_bitwise(mode, monkeypatch):
         extra = {}
         if mode == "ring":
             bufs["snapshots"], extra["rings"] = None, ring_buffers(d)
-        out = call_tree(p, bufs, conv=True, lower_bound=None, backend="triton", **extra)
+        out = call_tree(p, bufs, conv=True, lower_bound=lower_bound, backend="triton", **extra)
         got.append([out, *bufs["intermediate_conv"], *(extra["rings"] if mode == "ring" else [bufs["snapshots"]])])
     for variant in got[1:]:
         for x, y in zip(got[0], variant):

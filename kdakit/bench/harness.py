@@ -179,21 +179,21 @@ def parse_configs(text: str | None, config_type, base=None) -> list:
                 values[name] = raw.lower() in ("1", "true")
             elif raw.lower() == "none":
                 values[name] = None
-            elif kind is type(None):  # an optional field left at None: a number when it reads as one
-                values[name] = _number(raw)
+            elif kind is type(None):  # an optional field left at None: a number, or none
+                values[name] = _number(raw, group, name)
             else:
                 values[name] = kind(raw) if kind in (int, float) else raw
         configs.append(dataclasses.replace(base, **values) if base is not None else config_type(**values))
     return configs
 
 
-def _number(raw: str):
+def _number(raw: str, group: str, name: str):
     for kind in (int, float):
         try:
             return kind(raw)
         except ValueError:
             pass
-    return raw
+    raise ValueError(f"config {group!r}: {name} takes a number or none, not {raw!r}.")
 
 
 def config_groups(text: str | None, config_type, base=None) -> list[str]:

@@ -264,8 +264,8 @@ def tree_verify_config(N: int, T: int, HV: int, V: int, K: int, lower_bound) -> 
 
 
 # A tree's node loop is unrolled up to this many nodes; beyond, a loop that loads each node's
-# parent tile a node early (docs/tuning.md, "Tree verify": at 8 and 16 nodes the loop with the
-# prefetch is 1.01-1.04x the chain verify for top-2 trees, 1.02-1.15x for random ones).
+# parent tile a node early (docs/tuning.md, section "tree_verify": at 8 and 16 nodes the loop with
+# the prefetch runs 1.01-1.04x the chain verify for top-2 trees, 1.02-1.15x for random ones).
 TREE_UNROLL_NODES_MAX = 4
 
 
