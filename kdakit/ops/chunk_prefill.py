@@ -197,7 +197,7 @@ def _chunk_prep_kernel(
     ww = ws_w + ws_row * BLOCK_K
     wa = ws_a + ws_row * C
     wp = ws_p + ws_row * C
-    wn = ws_n + ws_row * 2  # (norm of k, norm of q) a row, with QK_FROM_INPUT
+    wn = ws_n + ws_row * 2  # (norm of k, norm of q) a row, with QK_FROM_INPUT and the L2 norm
     k_h = k + i_h * stride_k_h
     q_h = q + i_h * stride_q_h
 
@@ -219,13 +219,9 @@ def _chunk_prep_kernel(
                 ss_q += tl.sum(b_q * b_q, axis=1)
             norm_k = tl.sqrt(ss_k + 1e-6)
             norm_q = tl.sqrt(ss_q + 1e-6)
-        if QK_FROM_INPUT:
-            if USE_QK_L2NORM:
+            if QK_FROM_INPUT:
                 tl.store(wn + offs_c * 2, norm_k)
                 tl.store(wn + offs_c * 2 + 1, norm_q)
-            else:  # x / 1 is x: the later phases divide either way
-                tl.store(wn + offs_c * 2, tl.full([C], 1.0, tl.float32))
-                tl.store(wn + offs_c * 2 + 1, tl.full([C], 1.0, tl.float32))
         for kk in tl.static_range(0, BLOCK_K, SLICE):
             in_k = (kk + offs_n) < K
             m = mask_c[:, None] & in_k[None, :]
@@ -281,7 +277,8 @@ def _chunk_prep_kernel(
                                 row_r = offs_n * 0 + i * 16 + r
                                 k_r = tl.load(k_h + (t0 + row_r) * stride_k_t + kk + offs_n,
                                               mask=(row_r < n_tok) & ((kk + offs_n) < K), other=0.0).to(tl.float32)
-                                k_r = k_r / tl.load(wn + row_r * 2) * 1.0
+                                if USE_QK_L2NORM:
+                                    k_r = k_r / tl.load(wn + row_r * 2)
                             else:
                                 k_r = tl.load(wk + (i * 16 + r) * BLOCK_K + kk + offs_n)
                             G_r = tl.load(ww + (i * 16 + r) * BLOCK_K + kk + offs_n)
@@ -289,9 +286,9 @@ def _chunk_prep_kernel(
                             kr = k_r[None, :] * tl.exp(d)
                             if QK_FROM_INPUT:
                                 a_col += tl.sum(_unit_rows(k_h, wn, 0, 1.0, t0, n_tok, rows, kk + offs_n, stride_k_t,
-                                                           K) * kr, axis=1)
+                                                           K, USE_QK_L2NORM) * kr, axis=1)
                                 p_col += tl.sum(_unit_rows(q_h, wn, 1, scale, t0, n_tok, rows, kk + offs_n,
-                                                           stride_q_t, K) * kr, axis=1)
+                                                           stride_q_t, K, USE_QK_L2NORM) * kr, axis=1)
                             else:
                                 a_col += tl.sum(tl.load(wk + p_ik) * kr, axis=1)
                                 p_col += tl.sum(tl.load(wq + p_ik) * kr, axis=1)
@@ -312,11 +309,14 @@ def _chunk_prep_kernel(
                     left = tl.exp(tl.where(below[:, None], tl.load(ww + p_sl) - G_ref[None, :], float("-inf")))
                     p_jk = (j * 16 + offs_s)[:, None] * BLOCK_K + kk + offs_n[None, :]
                     if QK_FROM_INPUT:
-                        k_j = _unit_rows(k_h, wn, 0, 1.0, t0, n_tok, j * 16 + offs_s, kk + offs_n, stride_k_t, K)
+                        k_j = _unit_rows(k_h, wn, 0, 1.0, t0, n_tok, j * 16 + offs_s, kk + offs_n, stride_k_t, K,
+                                         USE_QK_L2NORM)
                         right = tl.trans(k_j * tl.exp(G_ref[None, :] - tl.load(ww + p_jk)))  # [SLICE, 16]
-                        k_c = _unit_rows(k_h, wn, 0, 1.0, t0, n_tok, offs_c, kk + offs_n, stride_k_t, K)
+                        k_c = _unit_rows(k_h, wn, 0, 1.0, t0, n_tok, offs_c, kk + offs_n, stride_k_t, K,
+                                         USE_QK_L2NORM)
                         acc_a = tl.dot(k_c * left, right, acc_a, input_precision=DOT_PRECISION)
-                        q_c = _unit_rows(q_h, wn, 1, scale, t0, n_tok, offs_c, kk + offs_n, stride_q_t, K)
+                        q_c = _unit_rows(q_h, wn, 1, scale, t0, n_tok, offs_c, kk + offs_n, stride_q_t, K,
+                                         USE_QK_L2NORM)
                         acc_p = tl.dot(q_c * left, right, acc_p, input_precision=DOT_PRECISION)
                     else:
                         right = tl.trans(tl.load(wk + p_jk) * tl.exp(G_ref[None, :] - tl.load(ww + p_jk)))
@@ -344,8 +344,9 @@ def _chunk_prep_kernel(
             G = tl.load(ww + p_sl)
             G_last = tl.load(ww + (C - 1) * BLOCK_K + kk + offs_n)
             if QK_FROM_INPUT:
-                kn = _unit_rows(k_h, wn, 0, 1.0, t0, n_tok, offs_c, kk + offs_n, stride_k_t, K)
-                qn = _unit_rows(q_h, wn, 1, scale, t0, n_tok, offs_c, kk + offs_n, stride_q_t, K)
+                kn = _unit_rows(k_h, wn, 0, 1.0, t0, n_tok, offs_c, kk + offs_n, stride_k_t, K, USE_QK_L2NORM)
+                qn = _unit_rows(q_h, wn, 1, scale, t0, n_tok, offs_c, kk + offs_n, stride_q_t, K,
+                                USE_QK_L2NORM)
             else:
                 kn = tl.load(wk + p_sl)
                 qn = tl.load(wq + p_sl)
@@ -365,13 +366,16 @@ def _chunk_prep_kernel(
 
 
 @triton.jit
-def _unit_rows(x_head, norms, which, scale, t0, n_tok, rows, cols, stride_t, K: tl.constexpr):
+def _unit_rows(x_head, norms, which, scale, t0, n_tok, rows, cols, stride_t, K: tl.constexpr,
+               NORMED: tl.constexpr):
     """k̂ (``which`` 0, ``scale`` 1) or q̂ (``which`` 1, the q scale) of the chunk's ``rows`` and
     ``cols`` from the input, as the workspace would hold them (``x / norm * scale``, the first
-    phase's arithmetic; zeros past the chunk's tokens and K)."""
+    phase's arithmetic, ``x * scale`` without the L2 norm; zeros past the chunk's tokens and K)."""
     m = (rows < n_tok)[:, None] & (cols < K)[None, :]
     x = tl.load(x_head + (t0 + rows)[:, None] * stride_t + cols[None, :], mask=m, other=0.0).to(tl.float32)
-    return x / tl.load(norms + rows * 2 + which)[:, None] * scale
+    if NORMED:
+        x = x / tl.load(norms + rows * 2 + which)[:, None]
+    return x * scale
 
 
 @triton.jit
@@ -652,7 +656,8 @@ def chunk_prefill_triton(q, k, v, g, beta, state, slot_indices, out, *, cu_seqle
     ws_p = torch.empty(rows, C, dtype=torch.float32, device=dev)
     ws_a = torch.empty(rows, C, dtype=torch.float32, device=dev)
     ws_g = torch.empty(max_chunks * HV, BK, dtype=torch.float32, device=dev)
-    ws_n = torch.empty(rows, 2, dtype=torch.float32, device=dev) if cfg.qk_from_input else ws_g
+    # the row norms of k and q, kept for the later phases (qk_from_input with the L2 norm)
+    ws_n = torch.empty(rows, 2, dtype=torch.float32, device=dev) if cfg.qk_from_input and use_qk_l2norm else ws_g
     gate = A_log is not None
     if lower_bound is None:
         spread_max = cfg.factor_spread_max

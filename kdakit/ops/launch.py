@@ -109,11 +109,17 @@ def _compile_for_target(fn, args, constexprs, num_warps, num_stages, launch_pdl,
             attrs[(i,)] = BaseBackend.parse_attr(attr)
         signature[name] = kind
     signature.update({name: "constexpr" for name in constexprs})
+    triton.compile(ASTSource(fn, signature, constexprs=constants, attrs=attrs), target=target,
+                   options=_options(num_warps, num_stages, launch_pdl, max_registers))
+    COMPILED_FOR_TARGET.append(fn.__name__)
+
+
+def _options(num_warps, num_stages, launch_pdl, max_registers) -> dict:
+    """Triton's compile options of one launch (``maxnreg`` only when capped)."""
     options = {"num_warps": num_warps, "num_stages": num_stages, "launch_pdl": launch_pdl}
     if max_registers is not None:
         options["maxnreg"] = max_registers
-    triton.compile(ASTSource(fn, signature, constexprs=constants, attrs=attrs), target=target, options=options)
-    COMPILED_FOR_TARGET.append(fn.__name__)
+    return options
 
 
 def triton_specialization(arg) -> tuple:
@@ -167,9 +173,7 @@ class CachedKernel:
             with torch.cuda.device(first.device):
                 return self(grid, args, constexprs, num_warps=num_warps, num_stages=num_stages,
                             launch_pdl=launch_pdl, max_registers=max_registers)
-        options = dict(num_warps=num_warps, num_stages=num_stages, launch_pdl=launch_pdl)
-        if max_registers is not None:
-            options["maxnreg"] = max_registers
+        options = _options(num_warps, num_stages, launch_pdl, max_registers)
         if not _FAST_PATH[0]:
             self.fn[grid](*args, **constexprs, **options)
             return
