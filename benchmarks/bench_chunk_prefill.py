@@ -123,7 +123,9 @@ def timed(calls):
 
 
 # ----------------------------------------------------------------------------
-def correctness(results, quick=False):
+def correctness(results, quick=False, configs=None):
+    """``configs`` (the --configs text): ChunkConfig variants also run on every case with a float64 reference, their
+    errors recorded beside the picked config's (``kdakit[variant]_out_err``; not part of ``ok``)."""
     checks = results["checks"]
     cases = [  # (name, seqlens, H, HV, act dtype, state dtype, lower_bound, steep, with float64 reference)
         ("2k-f32in", [2048], 8, 8, torch.float32, torch.float32, None, False, True),
@@ -159,6 +161,17 @@ def correctness(results, quick=False):
         if with_ref:
             row["kdakit_out_err"] = rel(ours_out, ref_out)
             row["kdakit_state_err"] = rel(ours_pool[live], ref_pool[live])
+            picked = chunk_config(len(lens), HV, 128, 128)
+            for cfg in dict.fromkeys(harness.parse_configs(configs, ChunkConfig, base=picked)):
+                if cfg == picked:
+                    continue
+                layer["state"].copy_(before)
+                layer["out"].fill_(float("nan"))
+                kdakit_call(layer, lb, cfg)()
+                name = harness.config_name(cfg, picked)
+                row[f"kdakit[{name}]_out_err"] = rel(layer["out"], ref_out)
+                row[f"kdakit[{name}]_state_err"] = rel(layer["state"][live], ref_pool[live])
+            layer["state"].copy_(ours_pool)
         try:
             layer["state"].copy_(before)
             if len(lens) > 2:  # fla has no padding rows: run it on the live sequences' slots only
@@ -258,7 +271,7 @@ def main():
         return 2
     t0 = time.time()
     results = harness.new_results()
-    ok = True if args.skip_checks else correctness(results, quick=args.quick)
+    ok = True if args.skip_checks else correctness(results, quick=args.quick, configs=args.configs)
     results["checks_ok"] = ok
     names = args.cases.split(",") if args.cases else (QUICK if args.quick else tuple(CASES))
     timings(results, names, args.sweep, args.configs)

@@ -162,6 +162,11 @@ for split in (True, False):  # q and k read from the inputs in the later prep ph
                          chunk_state_indices=None, config=ChunkConfig(split_prep=split, qk_from_input=True))
 chunk_prefill_triton(*xp, state, torch.tensor([1, 2], dtype=torch.int32), torch.empty(1, Tp, HV, V, dtype=bf),
                      cu_seqlens=cu_p, scale=0.1, use_qk_l2norm=True, A_log=A_log, dt_bias=dt_bias, lower_bound=None,
+                     beta_mode=1, has_initial_state=None, chunk_states=None, chunk_state_indices=None,
+                     config=ChunkConfig(split_prep=True, split_rest=True, factor_dtype="bfloat16"))  # five prep launches
+assert COMPILED_FOR_TARGET[-6:] == ["_chunk_prep_kernel"] * 5 + ["_chunk_state_kernel"], COMPILED_FOR_TARGET[-6:]
+chunk_prefill_triton(*xp, state, torch.tensor([1, 2], dtype=torch.int32), torch.empty(1, Tp, HV, V, dtype=bf),
+                     cu_seqlens=cu_p, scale=0.1, use_qk_l2norm=True, A_log=A_log, dt_bias=dt_bias, lower_bound=None,
                      beta_mode=1, has_initial_state=torch.tensor([True, False]), chunk_states=torch.zeros(3, HV, V, K),
                      chunk_state_indices=torch.tensor([[0], [1]]), config=ChunkConfig(chain_pieces=3))  # a cut chain
 assert COMPILED_FOR_TARGET[-4:] == ["_chunk_prep_kernel", "_chunk_state_kernel", "_chunk_pieces_kernel",

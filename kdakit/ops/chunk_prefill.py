@@ -92,7 +92,8 @@ CHUNK_SIZE = 64  # tokens per chunk on the GPU (prefix-cache boundaries come eve
 SUB = 16  # sub-block of a chunk: the tensor-core tile and the unit of exact in-block decays
 SAFE_SPREAD_MAX = 80.0  # safe gate: sub-blocks factored up to this spread (16 tokens at the -5 bound)
 
-BETA_AS_IS, BETA_SIGMOID, BETA_SIGMOID_X2 = 0, 1, 2  # β as given, sigmoid of a logit, 2·sigmoid (fla's allow_neg_eigval)
+BETA_AS_IS, BETA_SIGMOID, BETA_SIGMOID_X2 = 0, 1, 2
+_FACTOR_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # β as given, sigmoid of a logit, 2·sigmoid (fla's allow_neg_eigval)
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,12 @@ class ChunkConfig:
     qk_from_input: bool = False      # prep: the later phases read q and k from the inputs and divide by
     #                                  the row norms the first phase keeps, instead of float32 k̂ and q̂
     #                                  in the workspace (the same values: fewer bytes moved)
+    split_rest: bool = False         # with split_prep, the last launch as three: the column-block
+    #                                  products, the inverse, w and u (fewer registers each; a profile
+    #                                  times the parts apart)
+    factor_dtype: str = "float32"    # the chain's factors (w, u, q̂ ⊙ e^Γ, k̂ ⊙ e^(Γ_C - Γ)) as stored
+    #                                  for the state kernel: "bfloat16" halves the bytes it streams per
+    #                                  V tile, at one bf16 rounding of each factor (the math stays float32)
 
 
 def chunk_config(N: int, HV: int, K: int, V: int, chunk: int = CHUNK_SIZE) -> ChunkConfig:
@@ -151,7 +158,7 @@ def _bcast(flag, like):
 @triton.jit
 def _chunk_prep_kernel(
     q, k, v, g, beta, A_log, dt_bias, cu_seqlens, chunk_first, chunk_seq,
-    ws_q, ws_k, ws_w, ws_u, ws_p, ws_a, ws_g, ws_n,
+    ws_q, ws_k, ws_w, ws_u, ws_p, ws_a, ws_g, ws_n, f_q, f_k, f_w,
     num_seqs, T,
     stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_g_t, stride_g_h,
     stride_b_t, stride_b_h,
@@ -165,11 +172,14 @@ def _chunk_prep_kernel(
     # Every phase reads what it needs back from the (L2-resident) workspace in 16-row or
     # SLICE-column pieces, so that no [C, K] tile outlives its phase: whole-chunk tiles kept
     # live across phases spill registers. PHASES (bits: 1 token-parallel, 2 the exact
-    # in-sub-block pairs, 4 the rest) lets a launch run some of them: split over launches,
+    # in-sub-block pairs, 4 the column-block products, 8 the inverse, 16 w and u and the
+    # chain's other factors) lets a launch run some of them: split over launches,
     # each kernel holds fewer registers, so more programs share an SM. SUB_BLOCK_PROGRAMS:
     # one program per sub-block (program_id 2) instead of a loop over them. QK_FROM_INPUT:
     # the first phase keeps each row's norms of k and q (ws_n), and the later phases read
     # q and k from the inputs and divide as the first phase would have (_unit_rows).
+    # f_q, f_k, f_w (and ws_u): where the chain's factors go, in their dtype; float32 ones
+    # are ws_q, ws_k, ws_w themselves, written over q̂, k̂ and Γ.
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     c64 = i_c.to(tl.int64)
@@ -329,11 +339,12 @@ def _chunk_prep_kernel(
                 tl.store(wp + p_col, tl.where(offs_c[:, None] >= col[None, :], acc_p, 0.0), mask=below[:, None])
     tl.debug_barrier()
 
-    if PHASES & 4:
+    if PHASES & 8:
         # ---- T = (I + A)^-1 in place of A ----
         _invert_unit_lower(wa, C, NB, DOT_PRECISION)
         tl.debug_barrier()
 
+    if PHASES & 16:
         # ---- w = T diag(β)(k̂ ⊙ e^Γ), u = T diag(β) v, q̂ ⊙ e^Γ, k̂ ⊙ e^(Γ_C - Γ), e^Γ_C ----
         # in SLICE-column pieces (each piece's reads are done before its writes)
         p_cc = offs_c[:, None] * C + offs_c[None, :]
@@ -353,16 +364,17 @@ def _chunk_prep_kernel(
             e_G = tl.exp(G)
             b_w = tl.dot(b_T, kn * e_G * b_beta[:, None], input_precision=DOT_PRECISION)
             tl.debug_barrier()
-            tl.store(ww + p_sl, b_w)
-            tl.store(wq + p_sl, qn * e_G)
-            tl.store(wk + p_sl, kn * tl.exp(G_last[None, :] - G))
+            tl.store(f_w + ws_row * BLOCK_K + p_sl, b_w.to(f_w.dtype.element_ty))
+            tl.store(f_q + ws_row * BLOCK_K + p_sl, (qn * e_G).to(f_q.dtype.element_ty))
+            tl.store(f_k + ws_row * BLOCK_K + p_sl, (kn * tl.exp(G_last[None, :] - G)).to(f_k.dtype.element_ty))
             tl.store(ws_g + (c64 * HV + i_hv) * BLOCK_K + kk + offs_n, tl.exp(G_last))
         for vv in tl.static_range(0, BLOCK_V, SLICE):
             offs_v = vv + offs_n
             b_v = tl.load(v + tok[:, None] * stride_v_t + i_hv * stride_v_h + offs_v[None, :],
                           mask=mask_c[:, None] & (offs_v < V)[None, :], other=0.0).to(tl.float32)
             b_u = tl.dot(b_T, b_v * b_beta[:, None], input_precision=DOT_PRECISION)
-            tl.store(ws_u + ws_row * BLOCK_V + offs_c[:, None] * BLOCK_V + offs_v[None, :], b_u)
+            tl.store(ws_u + ws_row * BLOCK_V + offs_c[:, None] * BLOCK_V + offs_v[None, :],
+                     b_u.to(ws_u.dtype.element_ty))
 
 
 @triton.jit
@@ -448,16 +460,16 @@ def _chain_step(S, c, c_first, live, counts, n64, bos, eos, i_hv, out, ws_q, ws_
     chain) take no ``u``."""
     ws_row = (c * HV + i_hv) * C
     p_ck = offs_c[:, None] * BLOCK_K + offs_k[None, :]
-    b_w = tl.load(ws_w + ws_row * BLOCK_K + p_ck)
+    b_w = tl.load(ws_w + ws_row * BLOCK_K + p_ck).to(tl.float32)
     b_u = tl.load(ws_u + ws_row * BLOCK_V_WS + offs_c[:, None] * BLOCK_V_WS + offs_v[None, :],
-                  mask=(offs_v < V)[None, :], other=0.0)
-    b_kd = tl.load(ws_k + ws_row * BLOCK_K + p_ck)
+                  mask=(offs_v < V)[None, :], other=0.0).to(tl.float32)
+    b_kd = tl.load(ws_k + ws_row * BLOCK_K + p_ck).to(tl.float32)
     e_last = tl.load(ws_g + (c * HV + i_hv) * BLOCK_K + offs_k)
     St = tl.trans(S)  # [BLOCK_K, BLOCK_V]
     b_U = b_u - tl.dot(b_w, St, input_precision=DOT_PRECISION)  # [C, BLOCK_V]
     t0 = bos + (c - c_first) * C
     if OUTPUTS:
-        b_qg = tl.load(ws_q + ws_row * BLOCK_K + p_ck)
+        b_qg = tl.load(ws_q + ws_row * BLOCK_K + p_ck).to(tl.float32)
         b_P = tl.load(ws_p + ws_row * C + offs_c[:, None] * C + offs_c[None, :],  # above the diagonal: unwritten
                       mask=offs_c[:, None] // 16 >= offs_c[None, :] // 16, other=0.0)
         b_o = tl.dot(b_qg, St, input_precision=DOT_PRECISION)
@@ -649,10 +661,17 @@ def chunk_prefill_triton(q, k, v, g, beta, state, slot_indices, out, *, cu_seqle
     first, seq = chunk_plan(cu_seqlens, C, max_chunks, T)
     dev = q.device
     rows = max_chunks * HV * C
-    ws_q = torch.empty(rows, BK, dtype=torch.float32, device=dev)
-    ws_k = torch.empty(rows, BK, dtype=torch.float32, device=dev)
+    factor_dtype = _FACTOR_DTYPES[cfg.factor_dtype]
+    # q̂ and k̂ in float32 unless the later phases read the inputs; with float32 factors the
+    # chain's factors are written over q̂, k̂ and Γ (ws_q, ws_k, ws_w), else into their own buffers.
+    qk_dtype = factor_dtype if cfg.qk_from_input else torch.float32
+    ws_q = torch.empty(rows, BK, dtype=qk_dtype, device=dev)
+    ws_k = torch.empty(rows, BK, dtype=qk_dtype, device=dev)
     ws_w = torch.empty(rows, BK, dtype=torch.float32, device=dev)
-    ws_u = torch.empty(rows, BVW, dtype=torch.float32, device=dev)
+    ws_u = torch.empty(rows, BVW, dtype=factor_dtype, device=dev)
+    f_q = ws_q if qk_dtype == factor_dtype else torch.empty(rows, BK, dtype=factor_dtype, device=dev)
+    f_k = ws_k if qk_dtype == factor_dtype else torch.empty(rows, BK, dtype=factor_dtype, device=dev)
+    f_w = ws_w if factor_dtype == torch.float32 else torch.empty(rows, BK, dtype=factor_dtype, device=dev)
     ws_p = torch.empty(rows, C, dtype=torch.float32, device=dev)
     ws_a = torch.empty(rows, C, dtype=torch.float32, device=dev)
     ws_g = torch.empty(max_chunks * HV, BK, dtype=torch.float32, device=dev)
@@ -664,7 +683,7 @@ def chunk_prefill_triton(q, k, v, g, beta, state, slot_indices, out, *, cu_seqle
     else:  # a sub-block's spread is below 16 |lower_bound|: up to e^80 (|lower_bound| <= 5), all factored
         spread_max = SAFE_SPREAD_MAX if cfg.factor_safe_gate else -1.0
     prep_args = (q, k, v, g, beta, A_log if gate else q, dt_bias if gate else q, cu_seqlens, first, seq,
-                 ws_q, ws_k, ws_w, ws_u, ws_p, ws_a, ws_g, ws_n, N, T,
+                 ws_q, ws_k, ws_w, ws_u, ws_p, ws_a, ws_g, ws_n, f_q, f_k, f_w, N, T,
                  q.stride(1), q.stride(2), k.stride(1), k.stride(2), v.stride(1), v.stride(2), g.stride(1),
                  g.stride(2), beta.stride(1), beta.stride(2),
                  float(scale), float(lower_bound) if lower_bound is not None else 0.0, float(spread_max))
@@ -673,9 +692,11 @@ def chunk_prefill_triton(q, k, v, g, beta, state, slot_indices, out, *, cu_seqle
                            BETA_MODE=int(beta_mode), DOT_PRECISION=cfg.dot_precision,
                            QK_FROM_INPUT=bool(cfg.qk_from_input))
     if cfg.split_prep:
-        launches = [((max_chunks, HV), 1, False), ((max_chunks, HV, C // SUB), 2, True), ((max_chunks, HV), 4, False)]
+        rest = [4, 8, 16] if cfg.split_rest else [4 | 8 | 16]
+        launches = [((max_chunks, HV), 1, False), ((max_chunks, HV, C // SUB), 2, True),
+                    *[((max_chunks, HV), phases, False) for phases in rest]]
     else:
-        launches = [((max_chunks, HV), 7, False)]
+        launches = [((max_chunks, HV), 1 | 2 | 4 | 8 | 16, False)]
     for grid, phases, per_sub_block in launches:
         _chunk_prep(grid, prep_args, dict(prep_constexprs, PHASES=phases, SUB_BLOCK_PROGRAMS=per_sub_block),
                     num_warps=cfg.prep_warps, num_stages=1)
@@ -685,7 +706,7 @@ def chunk_prefill_triton(q, k, v, g, beta, state, slot_indices, out, *, cu_seqle
     ci_cols = ci.shape[1] if has_cs else 0
     block_v = min(cfg.block_v, BVW)
     state_args = (out, state, slot_indices, has_initial_state if has_initial_state is not None else slot_indices,
-                  cu_seqlens, first, ws_q, ws_k, ws_w, ws_u, ws_p, ws_g, cs, ci, errors.counters(q.device))
+                  cu_seqlens, first, f_q, f_k, f_w, ws_u, ws_p, ws_g, cs, ci, errors.counters(q.device))
     state_tail = (state.shape[0], cs.shape[0], T, max_chunks,
                   out.stride(1), out.stride(2), *state.stride(), *cs.stride(),
                   ci.stride(0), ci.stride(1) if has_cs else 0, ci_cols)
