@@ -506,7 +506,8 @@ def test_split_rest_equals_one_rest_launch_bitwise():
 @pytest.mark.parametrize("gate", ["softplus", "safe"])
 def test_bf16_factors_against_float64(from_input, gate):
     """``ChunkConfig.factor_dtype="bfloat16"``: the chain's factors stored in bf16 (one
-    rounding each, math in float32) stay within bf16-level error of float64; the pool's other
+    rounding each, math in float32), and with ``chain_dot_dtype="bfloat16"`` the chain's
+    products on bf16 operands too, stay within bf16-level error of float64; the pool's other
     slots and the rows outside cu_seqlens are untouched."""
     H, HV, K, V = 1, 2, 32, 16
     x, A_log, dt_bias, cu, state, T = make_case(H, HV, K, V, [40, 1, 25], seed=10, extra_tokens=2)
@@ -515,18 +516,19 @@ def test_bf16_factors_against_float64(from_input, gate):
     before = state.clone()
     ref_out, ref_pool, _ = ref64(x, A_log, dt_bias, cu, state, idx, lower_bound=lb)
     errs = []
-    for dtype in ("float32", "bfloat16"):
+    for dtype, dots in (("float32", "float32"), ("bfloat16", "float32"), ("bfloat16", "bfloat16")):
         pool = before.clone()
         out = torch.full((1, T, HV, V), POISON)
         cfg = ChunkConfig(chunk=32, block_v=16, dot_precision="ieee", split_prep=True, qk_from_input=from_input,
-                          factor_dtype=dtype)
+                          factor_dtype=dtype, chain_dot_dtype=dots)
         run_triton(x, A_log, dt_bias, cu, pool, idx, out, cfg, lower_bound=lb)
         assert (out[:, 66:] == POISON).all(), "rows outside cu_seqlens must not be written"
         check_pool(pool, before, ref_pool, [4, 1, 3], 3e-2 if dtype == "bfloat16" else 1e-5, dtype)
         errs.append(rel_err(out[:, :66], ref_out[:, :66]))
     ERRORS[f"bf16 factors {gate}{' qk from input' if from_input else ''}"] = errs[1]
+    ERRORS[f"bf16 factors and chain products {gate}{' qk from input' if from_input else ''}"] = errs[2]
     assert errs[0] < 1e-5, errs
-    assert 1e-5 < errs[1] < 2e-2, errs  # a bf16 rounding shows, and stays at its level
+    assert 1e-5 < errs[1] < 2e-2 and 1e-5 < errs[2] < 2e-2, errs  # a bf16 rounding shows, and stays at its level
 
 
 def test_zz_print_errors():

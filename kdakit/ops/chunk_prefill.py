@@ -122,15 +122,22 @@ class ChunkConfig:
     factor_dtype: str = "float32"    # the chain's factors (w, u, q̂ ⊙ e^Γ, k̂ ⊙ e^(Γ_C - Γ)) as stored
     #                                  for the state kernel: "bfloat16" halves the bytes it streams per
     #                                  V tile, at one bf16 rounding of each factor (the math stays float32)
+    chain_dot_dtype: str = "float32"  # the state kernel's products: "bfloat16" operands (the state and the
+    #                                  factors rounded for the product; float32 accumulation and state)
 
 
-def chunk_config(N: int, HV: int, K: int, V: int, chunk: int = CHUNK_SIZE) -> ChunkConfig:
+def chunk_config(N: int, HV: int, K: int, V: int, chunk: int = CHUNK_SIZE,
+                 act_dtype: torch.dtype = torch.float32) -> ChunkConfig:
     """Pinned from shapes (no autotuning in a serving call). The state kernel's V tile: the
     widest of 64 / 32 / 16 rows that still gives about two programs per SM of an H200
     (132 SMs) in the serial chain (a long sequence with few heads needs narrow tiles to
     fill the GPU; many sequences reread the chunk's factors fewer times with wide ones).
     Head dims above 128 take 32-token chunks and V tiles of at most 32 rows.
-    Not yet swept on the GPU: benchmarks/bench_chunk_prefill.py --sweep."""
+    The later prep phases read q and k from the inputs (``qk_from_input``), the prep runs as
+    five launches (``split_prep``, ``split_rest``), and the chain's factors are stored in the
+    activations' dtype when that is bf16 (``factor_dtype``; float32 otherwise), as fla stores
+    its w and u: the chain streams half the bytes and its kernel holds fewer registers, and the
+    call stays more accurate against float64 than fla's (docs/tuning.md, "chunk_prefill")."""
     wide = max(K, V) > 128  # head dims up to 256: 32-token chunks and V tiles of <= 32 rows keep tiles in budget
     if wide:
         chunk = min(chunk, 32)
@@ -145,7 +152,8 @@ def chunk_config(N: int, HV: int, K: int, V: int, chunk: int = CHUNK_SIZE) -> Ch
     # 4 warps there, 8 for the widest (docs/tuning.md).
     # The prep as three launches: each holds fewer registers, so more programs share an SM.
     return ChunkConfig(chunk=chunk, block_v=block_v, prep_warps=4, state_warps=8 if block_v >= 64 else 4,
-                       pipeline_stages=2 if block_v <= 16 else 1, split_prep=True)
+                       pipeline_stages=2 if block_v <= 16 else 1, split_prep=True, split_rest=True,
+                       qk_from_input=True, factor_dtype="bfloat16" if act_dtype == torch.bfloat16 else "float32")
 
 
 @triton.jit
@@ -448,38 +456,54 @@ def _invert_unit_lower(wa, C: tl.constexpr, NB: tl.constexpr, DOT_PRECISION: tl.
 
 
 @triton.jit
+def _chain_dot(a, b, acc, BF16_DOTS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """``acc + a @ b`` as the chain takes it: bf16 operands with ``BF16_DOTS`` (float32
+    accumulation; a float32 operand, the state's included, is rounded for the product alone),
+    else float32 operands at ``DOT_PRECISION``. ``BF16_DOTS`` 2: the same products with the
+    rounded operands widened back to float32 and multiplied exactly (the interpreter's bf16
+    dot reads bf16 bits wrongly; a bf16 x bf16 product is exact in float32)."""
+    if BF16_DOTS == 1:
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
+    if BF16_DOTS == 2:
+        return tl.dot(a.to(tl.bfloat16).to(tl.float32), b.to(tl.bfloat16).to(tl.float32), acc,
+                      input_precision="ieee")
+    return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
 def _chain_step(S, c, c_first, live, counts, n64, bos, eos, i_hv, out, ws_q, ws_k, ws_w, ws_u, ws_p, ws_g,
                 chunk_states, chunk_state_idx, errors, num_chunk_slots, chunk_idx_cols,
                 stride_o_t, stride_o_h, stride_cs_slot, stride_cs_h, stride_cs_v, stride_cs_k, stride_ci_n,
                 stride_ci_j, offs_c, offs_k, offs_v, mask_v, mask_s,
                 HV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V_WS: tl.constexpr, C: tl.constexpr,
                 HAS_CHUNK_STATES: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERVAL: tl.constexpr,
-                ERR_INDEX: tl.constexpr, V: tl.constexpr, OUTPUTS: tl.constexpr):
+                ERR_INDEX: tl.constexpr, V: tl.constexpr, OUTPUTS: tl.constexpr, BF16_DOTS: tl.constexpr):
     """One chunk of the chain for one (sequence, value head, V tile): outputs, then the state.
     Without ``OUTPUTS`` only the state, whose rows past V (the transition of a piece of the
     chain) take no ``u``."""
     ws_row = (c * HV + i_hv) * C
     p_ck = offs_c[:, None] * BLOCK_K + offs_k[None, :]
-    b_w = tl.load(ws_w + ws_row * BLOCK_K + p_ck).to(tl.float32)
+    b_w = tl.load(ws_w + ws_row * BLOCK_K + p_ck)
     b_u = tl.load(ws_u + ws_row * BLOCK_V_WS + offs_c[:, None] * BLOCK_V_WS + offs_v[None, :],
                   mask=(offs_v < V)[None, :], other=0.0).to(tl.float32)
-    b_kd = tl.load(ws_k + ws_row * BLOCK_K + p_ck).to(tl.float32)
+    b_kd = tl.load(ws_k + ws_row * BLOCK_K + p_ck)
     e_last = tl.load(ws_g + (c * HV + i_hv) * BLOCK_K + offs_k)
     St = tl.trans(S)  # [BLOCK_K, BLOCK_V]
-    b_U = b_u - tl.dot(b_w, St, input_precision=DOT_PRECISION)  # [C, BLOCK_V]
+    zeros_cv = tl.zeros([C, St.shape[1]], dtype=tl.float32)
+    b_U = b_u - _chain_dot(b_w, St, zeros_cv, BF16_DOTS, DOT_PRECISION)  # [C, BLOCK_V]
     t0 = bos + (c - c_first) * C
     if OUTPUTS:
-        b_qg = tl.load(ws_q + ws_row * BLOCK_K + p_ck).to(tl.float32)
+        b_qg = tl.load(ws_q + ws_row * BLOCK_K + p_ck)
         b_P = tl.load(ws_p + ws_row * C + offs_c[:, None] * C + offs_c[None, :],  # above the diagonal: unwritten
                       mask=offs_c[:, None] // 16 >= offs_c[None, :] // 16, other=0.0)
-        b_o = tl.dot(b_qg, St, input_precision=DOT_PRECISION)
-        b_o = tl.dot(b_P, b_U, b_o, input_precision=DOT_PRECISION)
+        b_o = _chain_dot(b_qg, St, zeros_cv, BF16_DOTS, DOT_PRECISION)
+        b_o = _chain_dot(b_P, b_U, b_o, BF16_DOTS, DOT_PRECISION)
         b_o = tl.where(live, b_o, 0.0)
         tok = t0 + offs_c
         tl.store(out + tok[:, None] * stride_o_t + i_hv * stride_o_h + offs_v[None, :],
                  b_o.to(out.dtype.element_ty), mask=(tok < eos)[:, None] & mask_v[None, :])
     S = S * e_last[None, :]
-    S = tl.dot(tl.trans(b_U), b_kd, S, input_precision=DOT_PRECISION)  # [BLOCK_V, BLOCK_K]
+    S = _chain_dot(tl.trans(b_U), b_kd, S, BF16_DOTS, DOT_PRECISION)  # [BLOCK_V, BLOCK_K]
     if HAS_CHUNK_STATES:  # (only with OUTPUTS: the launcher passes it so)
         # The state after the sequence's first (j+1)*INTERVAL tokens, when it has that many.
         EVERY: tl.constexpr = INTERVAL // C
@@ -507,7 +531,7 @@ def _chunk_state_kernel(
     BLOCK_K: tl.constexpr, BLOCK_V_WS: tl.constexpr, BLOCK_V: tl.constexpr, C: tl.constexpr,
     HAS_INITIAL_FLAGS: tl.constexpr, HAS_CHUNK_STATES: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PIPELINE_STAGES: tl.constexpr, INTERVAL: tl.constexpr, ERR_INDEX: tl.constexpr,
-    PIECES: tl.constexpr, MODE: tl.constexpr, ROWS: tl.constexpr, OUTPUTS: tl.constexpr,
+    PIECES: tl.constexpr, MODE: tl.constexpr, ROWS: tl.constexpr, OUTPUTS: tl.constexpr, BF16_DOTS: tl.constexpr,
 ):
     # MODE 0: the whole chain of a sequence from its pool slot. With the chain cut into PIECES
     # pieces (program_id 2 = sequence * PIECES + piece), MODE 1: a piece's transition, the
@@ -564,7 +588,7 @@ def _chunk_state_kernel(
                             stride_o_t, stride_o_h, stride_cs_slot, stride_cs_h, stride_cs_v, stride_cs_k,
                             stride_ci_n, stride_ci_j, offs_c, offs_k, offs_v, mask_v, mask_s,
                             HV, BLOCK_K, BLOCK_V_WS, C, HAS_CHUNK_STATES, DOT_PRECISION, INTERVAL, ERR_INDEX,
-                            V, OUTPUTS)
+                            V, OUTPUTS, BF16_DOTS)
     else:
         c = c_lo
         while c < c_hi:
@@ -573,7 +597,7 @@ def _chunk_state_kernel(
                             stride_o_t, stride_o_h, stride_cs_slot, stride_cs_h, stride_cs_v, stride_cs_k,
                             stride_ci_n, stride_ci_j, offs_c, offs_k, offs_v, mask_v, mask_s,
                             HV, BLOCK_K, BLOCK_V_WS, C, HAS_CHUNK_STATES, DOT_PRECISION, INTERVAL, ERR_INDEX,
-                            V, OUTPUTS)
+                            V, OUTPUTS, BF16_DOTS)
             c += 1
     if MODE == 1:
         tl.store(p_piece, S, mask=mask_s)
@@ -651,7 +675,7 @@ def chunk_prefill_triton(q, k, v, g, beta, state, slot_indices, out, *, cu_seqle
     N = cu_seqlens.numel() - 1
     if N == 0 or HV == 0:
         return out
-    cfg = config or chunk_config(N, HV, K, V)
+    cfg = config or chunk_config(N, HV, K, V, act_dtype=q.dtype)
     C = cfg.chunk
     if chunk_states is not None and chunk_state_interval % C:
         raise ValueError(f"chunk_state_interval={chunk_state_interval} must be a multiple of the chunk ({C}).")
@@ -712,7 +736,7 @@ def chunk_prefill_triton(q, k, v, g, beta, state, slot_indices, out, *, cu_seqle
                   ci.stride(0), ci.stride(1) if has_cs else 0, ci_cols)
     state_constexprs = dict(H=H, HV=HV, K=K, V=V, BLOCK_K=BK, BLOCK_V_WS=BVW, BLOCK_V=block_v, C=C,
                             HAS_INITIAL_FLAGS=has_initial_state is not None, HAS_CHUNK_STATES=has_cs,
-                            DOT_PRECISION=cfg.dot_precision,
+                            DOT_PRECISION=cfg.dot_precision, BF16_DOTS=(2 if interpreting() else 1) if cfg.chain_dot_dtype == "bfloat16" else 0,
                             PIPELINE_STAGES=1 if interpreting() else cfg.pipeline_stages,
                             INTERVAL=chunk_state_interval, ERR_INDEX=errors.INDEX["chunk_prefill"])
     P = cfg.chain_pieces

@@ -37,7 +37,7 @@ from ..contracts import (_shape, check_conv_bias, check_conv_pool, check_conv_we
                          check_slot_values, full_checks_enabled)
 from .launch import CachedKernel, cdiv, next_power_of_2
 from .registry import example_index, example_randn, example_rng, kdakit_op
-from .triton_math import count_bad_row
+from .triton_math import count_bad_row, silu
 
 
 @triton.jit
@@ -139,7 +139,7 @@ def _first_outputs(x, weight, bias, out, win, seq_start, n_first, old_taps, ch, 
         if HAS_BIAS:
             acc += tl.load(bias + ch, mask=mask_c, other=0.0)
         if SILU:
-            acc = acc * tl.sigmoid(acc)
+            acc = silu(acc)
         tl.store(out + tok * stride_out_t + ch64 * stride_out_c, acc.to(out.dtype.element_ty), mask=mask_c)
         r += 1
 
@@ -223,7 +223,7 @@ def _causal_conv1d_varlen_kernel(
         if HAS_BIAS:
             acc += b
         if SILU:
-            acc = acc * tl.sigmoid(acc)
+            acc = silu(acc)
         ys = ys + (acc.to(out.dtype.element_ty),)
     y = tl.reshape(_rejoin(ys, BLOCK_C, NB, VEC), (BLOCK_C, BLOCK_T))
     out_ptrs = out + ch[:, None].to(tl.int64) * stride_out_c + tok.to(tl.int64) * stride_out_t

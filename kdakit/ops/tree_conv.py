@@ -21,7 +21,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
 from .launch import CachedKernel, cdiv, next_power_of_2
-from .triton_math import mask_if, verify_request
+from .triton_math import mask_if, silu, verify_request
 from .verify_conv import _conv_inputs, window_runs
 
 
@@ -97,7 +97,7 @@ def _tree_conv_silu_steps(x, stride_x_t, window, stride_win_c, stride_win_w, wei
                      mask=(nodes < T) & mask_if(mask, live)[None, :])
     if HAS_BIAS:
         acc += tl.load(bias + ch, mask=mask, other=0.0)[None, :]
-    return acc * tl.sigmoid(acc)
+    return silu(acc)
 
 
 @triton.jit

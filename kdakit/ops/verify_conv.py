@@ -18,7 +18,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
 from .launch import CachedKernel, cdiv, next_power_of_2
-from .triton_math import mask_if, verify_request
+from .triton_math import mask_if, silu, verify_request
 
 
 @triton.jit
@@ -52,7 +52,7 @@ def _conv_silu_steps(x, stride_x_t, window, stride_win_c, stride_win_w, weight, 
                      mask=(pos < T) & mask_if(mask, live)[None, :])
     if HAS_BIAS:
         acc += tl.load(bias + ch, mask=mask, other=0.0)[None, :]
-    return acc * tl.sigmoid(acc)
+    return silu(acc)
 
 
 @triton.jit
