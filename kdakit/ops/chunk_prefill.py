@@ -141,19 +141,27 @@ def chunk_config(N: int, HV: int, K: int, V: int, chunk: int = CHUNK_SIZE,
     wide = max(K, V) > 128  # head dims up to 256: 32-token chunks and V tiles of <= 32 rows keep tiles in budget
     if wide:
         chunk = min(chunk, 32)
+    bf16 = act_dtype == torch.bfloat16 and not wide
     bv_max = max(16, next_power_of_2(V))
     block_v = 16
     for bv in (64, 32):
         if N * HV * cdiv(V, bv) >= 264:
             block_v = bv
             break
+    if bf16 and block_v == 16 and N * HV * cdiv(V, 32) >= 128:
+        block_v = 32  # bf16 products need the wider tile (below), and about one program an SM still runs
     block_v = min(block_v, bv_max, 32 if wide else 64)
-    # Two chunks in flight only for the narrowest V tile (wider ones exceed the shared memory);
-    # 4 warps there, 8 for the widest (docs/tuning.md).
-    # The prep as three launches: each holds fewer registers, so more programs share an SM.
-    return ChunkConfig(chunk=chunk, block_v=block_v, prep_warps=4, state_warps=8 if block_v >= 64 else 4,
-                       pipeline_stages=2 if block_v <= 16 else 1, split_prep=True, split_rest=True,
-                       qk_from_input=True, factor_dtype="bfloat16" if act_dtype == torch.bfloat16 else "float32")
+    # bf16 chain products (bf16 activations) from 32-row V tiles on: half the registers and
+    # shared memory a chunk, so two chunks in flight on 8 warps. 16-row tiles keep float32
+    # products: with bf16 ones they wrote non-finite outputs on the H200 (unexplained, docs/tuning.md).
+    # Otherwise two chunks in flight only for the narrowest V tile (wider float32 ones exceed the
+    # shared memory); 4 warps there, 8 for the widest.
+    bf16_dots = bf16 and block_v >= 32
+    return ChunkConfig(chunk=chunk, block_v=block_v, prep_warps=4,
+                       state_warps=8 if block_v >= 64 or bf16_dots else 4,
+                       pipeline_stages=2 if block_v <= 16 or bf16_dots else 1, split_prep=True, split_rest=True,
+                       qk_from_input=True, factor_dtype="bfloat16" if bf16 else "float32",
+                       chain_dot_dtype="bfloat16" if bf16_dots else "float32")
 
 
 @triton.jit
