@@ -147,9 +147,9 @@ chunk_prefill_triton(*xp[:3], -torch.rand(1, Tp, HV, K), xp[4], state, torch.ten
                      torch.empty(1, Tp, HV, V, dtype=bf), cu_seqlens=cu_p, scale=0.1, use_qk_l2norm=True, A_log=None,
                      dt_bias=None, lower_bound=None, beta_mode=2, has_initial_state=None, chunk_states=None,
                      chunk_state_indices=None, config=ChunkConfig(chunk=32, block_v=64, prep_warps=4, pipeline_stages=3))
-# the picked config runs the prep as three launches; the given one as one
-assert COMPILED_FOR_TARGET[-10:] == (["_chunk_prep_kernel"] * 3 + ["_chunk_state_kernel"]) * 2 + [
-    "_chunk_prep_kernel", "_chunk_state_kernel"], COMPILED_FOR_TARGET[-10:]
+# the picked config runs the prep as five launches; the given one as one
+assert COMPILED_FOR_TARGET[-14:] == (["_chunk_prep_kernel"] * 5 + ["_chunk_state_kernel"]) * 2 + [
+    "_chunk_prep_kernel", "_chunk_state_kernel"], COMPILED_FOR_TARGET[-14:]
 chunk_prefill_triton(*xp, state, torch.tensor([1, 2], dtype=torch.int32), torch.empty(1, Tp, HV, V, dtype=bf),
                      cu_seqlens=cu_p, scale=0.1, use_qk_l2norm=True, A_log=A_log, dt_bias=dt_bias, lower_bound=None,
                      beta_mode=1, has_initial_state=None, chunk_states=None, chunk_state_indices=None,
@@ -165,6 +165,14 @@ chunk_prefill_triton(*xp, state, torch.tensor([1, 2], dtype=torch.int32), torch.
                      beta_mode=1, has_initial_state=None, chunk_states=None, chunk_state_indices=None,
                      config=ChunkConfig(split_prep=True, split_rest=True, factor_dtype="bfloat16"))  # five prep launches
 assert COMPILED_FOR_TARGET[-6:] == ["_chunk_prep_kernel"] * 5 + ["_chunk_state_kernel"], COMPILED_FOR_TARGET[-6:]
+for bv, stages in ((32, 2), (64, 2), (64, 1)):  # bf16 chain products (native bf16 dots), as picked for bf16 inputs
+    chunk_prefill_triton(*(x.to(bf) for x in xp), state, torch.tensor([1, 2], dtype=torch.int32),
+                         torch.empty(1, Tp, HV, V, dtype=bf), cu_seqlens=cu_p, scale=0.1, use_qk_l2norm=True,
+                         A_log=A_log, dt_bias=dt_bias, lower_bound=None, beta_mode=1, has_initial_state=None,
+                         chunk_states=None, chunk_state_indices=None,
+                         config=ChunkConfig(block_v=bv, state_warps=8, pipeline_stages=stages, split_prep=True,
+                                            split_rest=True, qk_from_input=True, factor_dtype="bfloat16",
+                                            chain_dot_dtype="bfloat16"))
 chunk_prefill_triton(*xp, state, torch.tensor([1, 2], dtype=torch.int32), torch.empty(1, Tp, HV, V, dtype=bf),
                      cu_seqlens=cu_p, scale=0.1, use_qk_l2norm=True, A_log=A_log, dt_bias=dt_bias, lower_bound=None,
                      beta_mode=1, has_initial_state=torch.tensor([True, False]), chunk_states=torch.zeros(3, HV, V, K),
