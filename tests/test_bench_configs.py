@@ -157,3 +157,12 @@ def test_fused_decode_bench_calls_run_and_match_float64():
         call()
         assert bench_fused_decode.rel(layer["out"], ref_out) < 2e-2
         assert bench_fused_decode.rel(layer["state"], ref_state) < 1e-3
+
+
+def test_prefill_crossover_is_the_length_from_which_chunked_always_wins():
+    import bench_prefill_crossover as bench
+    rows = [{"N": 1, "L": L, "ratio": r} for L, r in ((16, 3.0), (32, 0.9), (64, 1.1), (96, 0.8), (128, 0.6))]
+    rows += [{"N": 8, "L": 16, "ratio": 2.0}, {"N": 8, "L": 32, "ratio": 1.5}]
+    assert bench.crossover(rows, 1) == 96  # 32 is faster but 64 is not: not yet the crossover
+    assert bench.crossover(rows, 8) is None
+    assert bench.crossover(rows, 64) is None

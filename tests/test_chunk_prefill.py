@@ -531,6 +531,21 @@ def test_bf16_factors_against_float64(from_input, gate):
     assert 1e-5 < errs[1] < 2e-2 and 1e-5 < errs[2] < 2e-2, errs  # a bf16 rounding shows, and stays at its level
 
 
+def test_picked_config_follows_the_activations():
+    """bf16 activations: bf16 factors, and bf16 chain products only from 32-row V tiles (16-row
+    tiles keep float32 ones); float32 activations: float32 factors and products."""
+    from kdakit.ops.chunk_prefill import chunk_config
+    many = chunk_config(8, 32, 128, 128, act_dtype=torch.bfloat16)
+    one = chunk_config(1, 32, 128, 128, act_dtype=torch.bfloat16)
+    few_heads = chunk_config(1, 8, 128, 128, act_dtype=torch.bfloat16)
+    f32 = chunk_config(8, 32, 128, 128, act_dtype=torch.float32)
+    assert (many.block_v, many.factor_dtype, many.chain_dot_dtype) == (64, "bfloat16", "bfloat16")
+    assert (one.block_v, one.chain_dot_dtype, one.pipeline_stages) == (32, "bfloat16", 2)
+    assert (few_heads.block_v, few_heads.factor_dtype, few_heads.chain_dot_dtype) == (16, "bfloat16", "float32")
+    assert (f32.factor_dtype, f32.chain_dot_dtype) == ("float32", "float32")
+    assert all(c.qk_from_input and c.split_prep and c.split_rest for c in (many, one, few_heads, f32))
+
+
 def test_zz_print_errors():
     for name, err in ERRORS.items():
         print(f"{name}: rel err {err:.2e}")
