@@ -64,7 +64,10 @@ The kernels:
 Matrix products use ``tl.dot`` with ``input_precision="tf32"`` by default (one TF32 pass on
 tensor cores: more accurate than fla's bf16 products on the same inputs, and 2.4x faster
 than three passes); ``ChunkConfig.dot_precision`` takes ``"tf32x3"`` (three-pass TF32,
-float32-level accuracy) or ``"ieee"`` (exact float32 FMA) too. The in-sub-block pair sums, the
+float32-level accuracy) or ``"ieee"`` (exact float32 FMA) too. With bf16 activations the picked
+config stores the chain's factors in bf16 (``ChunkConfig.factor_dtype``) and, from 32-row V tiles,
+gives the chain's products bf16 operands (``chain_dot_dtype``; float32 accumulation and state), as
+fla does: half the bytes the chain streams and no register spills in its kernel. The in-sub-block pair sums, the
 cumulative sums and the 16 x 16 forward substitutions are float32 element-wise arithmetic.
 
 The chunk plan (which global chunk belongs to which sequence) is built on the device
