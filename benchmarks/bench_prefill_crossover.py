@@ -6,7 +6,8 @@ For each batch of N sequences of L tokens each (H = HV = 32, K = V = 128, bf16 a
 float32 V-major pool, the default gate): kdakit.recurrent_forward and kdakit.chunk_prefill on
 the same inputs and pool (each its picked launch config), CUDA-graph medians through
 harness.graph_time_us. Before timing, both calls' outputs and final states are compared with
-each other (they compute the same recurrence; the chunked one in TF32 products). Reports µs for
+each other (they compute the same recurrence; the chunked one with bf16 factors and products as
+picked for bf16 inputs). Reports µs for
 each, their ratio, and for each N the smallest L from which the chunked call is faster at every
 larger L measured; the JSON goes to benchmarks/results/ (or $OUT).
 """

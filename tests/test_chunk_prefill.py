@@ -484,20 +484,29 @@ def test_qk_from_input_equals_the_workspace_bitwise(split_prep, l2norm):
     assert (got[1][0][:, 94:] == POISON).all()
 
 
-def test_split_rest_equals_one_rest_launch_bitwise():
+def test_split_rest_equals_one_rest_launch_bitwise(monkeypatch):
     """``ChunkConfig.split_rest``: the prep's last launch as three (products, inverse, w and u)
     gives the same bits as one; GVA, a steep sub-block, sequences off the chunk grid."""
+    from kdakit.ops import chunk_prefill as module
     H, HV, K, V = 1, 2, 32, 16
     x, A_log, dt_bias, cu, state, T = make_case(H, HV, K, V, [45, 1, 30], seed=9, extra_tokens=2)
     x["g"][0, 5:20, :, : K // 4] = 30.0  # a steep sub-block under the default gate
     idx = torch.tensor([2, 5, 0], dtype=torch.int32)
-    got = []
+    got, phases = [], []
+    prep = module._chunk_prep
+
+    def counting_prep(grid, args, constexprs, **kw):
+        phases[-1].append(constexprs["PHASES"])
+        return prep(grid, args, constexprs, **kw)
+    monkeypatch.setattr(module, "_chunk_prep", counting_prep)
     for split_rest in (False, True):
         pool = state.clone()
         out = torch.full((1, T, HV, V), POISON)
+        phases.append([])
         run_triton(x, A_log, dt_bias, cu, pool, idx, out,
                    ChunkConfig(chunk=32, block_v=16, dot_precision="ieee", split_prep=True, split_rest=split_rest))
         got.append((out, pool))
+    assert phases == [[1, 2, 28], [1, 2, 4, 8, 16]], phases
     assert torch.isfinite(got[0][0][:, :76]).all()
     assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
 
@@ -509,7 +518,7 @@ def test_bf16_factors_against_float64(from_input, gate):
     rounding each, math in float32), and with ``chain_dot_dtype="bfloat16"`` the chain's
     products on bf16 operands too, stay within bf16-level error of float64; the pool's other
     slots and the rows outside cu_seqlens are untouched."""
-    H, HV, K, V = 1, 2, 32, 16
+    H, HV, K, V = 1, 2, 32, 32
     x, A_log, dt_bias, cu, state, T = make_case(H, HV, K, V, [40, 1, 25], seed=10, extra_tokens=2)
     lb = -5.0 if gate == "safe" else None
     idx = torch.tensor([4, 1, 3], dtype=torch.int32)
@@ -519,7 +528,7 @@ def test_bf16_factors_against_float64(from_input, gate):
     for dtype, dots in (("float32", "float32"), ("bfloat16", "float32"), ("bfloat16", "bfloat16")):
         pool = before.clone()
         out = torch.full((1, T, HV, V), POISON)
-        cfg = ChunkConfig(chunk=32, block_v=16, dot_precision="ieee", split_prep=True, qk_from_input=from_input,
+        cfg = ChunkConfig(chunk=32, block_v=32, dot_precision="ieee", split_prep=True, qk_from_input=from_input,
                           factor_dtype=dtype, chain_dot_dtype=dots)
         run_triton(x, A_log, dt_bias, cu, pool, idx, out, cfg, lower_bound=lb)
         assert (out[:, 66:] == POISON).all(), "rows outside cu_seqlens must not be written"
@@ -529,6 +538,20 @@ def test_bf16_factors_against_float64(from_input, gate):
     ERRORS[f"bf16 factors and chain products {gate}{' qk from input' if from_input else ''}"] = errs[2]
     assert errs[0] < 1e-5, errs
     assert 1e-5 < errs[1] < 2e-2 and 1e-5 < errs[2] < 2e-2, errs  # a bf16 rounding shows, and stays at its level
+    assert errs[2] != errs[1], "the bf16 chain products must change the results"
+
+
+def test_bf16_chain_products_refuse_16_row_tiles_and_configs_check_their_strings():
+    x, A_log, dt_bias, cu, state, T = make_case(1, 2, 32, 16, [20], seed=11)
+    before = state.clone()
+    out = torch.full((1, T, 2, 16), POISON)
+    with pytest.raises(ValueError, match="needs V tiles of at least 32 rows"):  # V = 16: a 16-row tile
+        run_triton(x, A_log, dt_bias, cu, state, torch.tensor([1], dtype=torch.int32), out,
+                   ChunkConfig(chunk=32, block_v=32, factor_dtype="bfloat16", chain_dot_dtype="bfloat16"))
+    assert torch.equal(state, before) and (out == POISON).all()
+    for field, bad in (("factor_dtype", "bf16"), ("chain_dot_dtype", "bf16"), ("dot_precision", "fp32")):
+        with pytest.raises(ValueError, match=f"ChunkConfig.{field} must be one of"):
+            ChunkConfig(**{field: bad})
 
 
 def test_picked_config_follows_the_activations():

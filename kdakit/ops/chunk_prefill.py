@@ -95,8 +95,10 @@ CHUNK_SIZE = 64  # tokens per chunk on the GPU (prefix-cache boundaries come eve
 SUB = 16  # sub-block of a chunk: the tensor-core tile and the unit of exact in-block decays
 SAFE_SPREAD_MAX = 80.0  # safe gate: sub-blocks factored up to this spread (16 tokens at the -5 bound)
 
-BETA_AS_IS, BETA_SIGMOID, BETA_SIGMOID_X2 = 0, 1, 2
-_FACTOR_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # β as given, sigmoid of a logit, 2·sigmoid (fla's allow_neg_eigval)
+BETA_AS_IS, BETA_SIGMOID, BETA_SIGMOID_X2 = 0, 1, 2  # β as given, sigmoid of a logit, 2·sigmoid (fla's allow_neg_eigval)
+_FACTOR_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_DOT_PRECISIONS = ("tf32", "tf32x3", "ieee")
+BF16_DOTS_MIN_BLOCK_V = 32  # bf16 chain products on 16-row V tiles wrote non-finite outputs on the H200
 
 
 @dataclass(frozen=True)
@@ -126,7 +128,15 @@ class ChunkConfig:
     #                                  for the state kernel: "bfloat16" halves the bytes it streams per
     #                                  V tile, at one bf16 rounding of each factor (the math stays float32)
     chain_dot_dtype: str = "float32"  # the state kernel's products: "bfloat16" operands (the state and the
-    #                                  factors rounded for the product; float32 accumulation and state)
+    #                                  factors rounded for the product; float32 accumulation and state),
+    #                                  on V tiles of BF16_DOTS_MIN_BLOCK_V rows or more
+
+    def __post_init__(self):
+        for name, allowed in (("factor_dtype", tuple(_FACTOR_DTYPES)), ("chain_dot_dtype", tuple(_FACTOR_DTYPES)),
+                              ("dot_precision", _DOT_PRECISIONS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"ChunkConfig.{name} must be one of {', '.join(map(repr, allowed))} "
+                                 f"(got {getattr(self, name)!r}).")
 
 
 def chunk_config(N: int, HV: int, K: int, V: int, chunk: int = CHUNK_SIZE,
@@ -159,7 +169,7 @@ def chunk_config(N: int, HV: int, K: int, V: int, chunk: int = CHUNK_SIZE,
     # products: with bf16 ones they wrote non-finite outputs on the H200 (unexplained, docs/tuning.md).
     # Otherwise two chunks in flight only for the narrowest V tile (wider float32 ones exceed the
     # shared memory); 4 warps there, 8 for the widest.
-    bf16_dots = bf16 and block_v >= 32
+    bf16_dots = bf16 and block_v >= BF16_DOTS_MIN_BLOCK_V
     return ChunkConfig(chunk=chunk, block_v=block_v, prep_warps=4,
                        state_warps=8 if block_v >= 64 or bf16_dots else 4,
                        pipeline_stages=2 if block_v <= 16 or bf16_dots else 1, split_prep=True, split_rest=True,
@@ -468,7 +478,7 @@ def _invert_unit_lower(wa, C: tl.constexpr, NB: tl.constexpr, DOT_PRECISION: tl.
 
 @triton.jit
 def _chain_dot(a, b, acc, BF16_DOTS: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """``acc + a @ b`` as the chain takes it: bf16 operands with ``BF16_DOTS`` (float32
+    """``acc + a @ b`` (``a @ b`` when ``acc`` is None) as the chain takes it: bf16 operands with ``BF16_DOTS`` (float32
     accumulation; a float32 operand, the state's included, is rounded for the product alone),
     else float32 operands at ``DOT_PRECISION``. ``BF16_DOTS`` 2: the same products with the
     rounded operands widened back to float32 and multiplied exactly (the interpreter's bf16
@@ -500,14 +510,13 @@ def _chain_step(S, c, c_first, live, counts, n64, bos, eos, i_hv, out, ws_q, ws_
     b_kd = tl.load(ws_k + ws_row * BLOCK_K + p_ck)
     e_last = tl.load(ws_g + (c * HV + i_hv) * BLOCK_K + offs_k)
     St = tl.trans(S)  # [BLOCK_K, BLOCK_V]
-    zeros_cv = tl.zeros([C, St.shape[1]], dtype=tl.float32)
-    b_U = b_u - _chain_dot(b_w, St, zeros_cv, BF16_DOTS, DOT_PRECISION)  # [C, BLOCK_V]
+    b_U = b_u - _chain_dot(b_w, St, None, BF16_DOTS, DOT_PRECISION)  # [C, BLOCK_V]
     t0 = bos + (c - c_first) * C
     if OUTPUTS:
         b_qg = tl.load(ws_q + ws_row * BLOCK_K + p_ck)
         b_P = tl.load(ws_p + ws_row * C + offs_c[:, None] * C + offs_c[None, :],  # above the diagonal: unwritten
                       mask=offs_c[:, None] // 16 >= offs_c[None, :] // 16, other=0.0)
-        b_o = _chain_dot(b_qg, St, zeros_cv, BF16_DOTS, DOT_PRECISION)
+        b_o = _chain_dot(b_qg, St, None, BF16_DOTS, DOT_PRECISION)
         b_o = _chain_dot(b_P, b_U, b_o, BF16_DOTS, DOT_PRECISION)
         b_o = tl.where(live, b_o, 0.0)
         tok = t0 + offs_c
@@ -692,6 +701,11 @@ def chunk_prefill_triton(q, k, v, g, beta, state, slot_indices, out, *, cu_seqle
         raise ValueError(f"chunk_state_interval={chunk_state_interval} must be a multiple of the chunk ({C}).")
     BK = next_power_of_2(max(K, 16))
     BVW = next_power_of_2(max(V, 16))
+    block_v = min(cfg.block_v, BVW)
+    if cfg.chain_dot_dtype == "bfloat16" and block_v < BF16_DOTS_MIN_BLOCK_V:
+        raise ValueError(f"ChunkConfig.chain_dot_dtype='bfloat16' needs V tiles of at least "
+                         f"{BF16_DOTS_MIN_BLOCK_V} rows (this call's tile: {block_v}); on 16-row tiles "
+                         "the bf16 chain products wrote non-finite outputs on the H200.")
     max_chunks = max_chunks_for(T, N, C)
     first, seq = chunk_plan(cu_seqlens, C, max_chunks, T)
     dev = q.device
@@ -739,7 +753,6 @@ def chunk_prefill_triton(q, k, v, g, beta, state, slot_indices, out, *, cu_seqle
     cs = chunk_states if has_cs else state
     ci = chunk_state_indices if has_cs else slot_indices
     ci_cols = ci.shape[1] if has_cs else 0
-    block_v = min(cfg.block_v, BVW)
     state_args = (out, state, slot_indices, has_initial_state if has_initial_state is not None else slot_indices,
                   cu_seqlens, first, f_q, f_k, f_w, ws_u, ws_p, ws_g, cs, ci, errors.counters(q.device))
     state_tail = (state.shape[0], cs.shape[0], T, max_chunks,
