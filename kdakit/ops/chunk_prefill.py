@@ -478,9 +478,9 @@ def _invert_unit_lower(wa, C: tl.constexpr, NB: tl.constexpr, DOT_PRECISION: tl.
 
 @triton.jit
 def _chain_dot(a, b, acc, BF16_DOTS: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """``acc + a @ b`` (``a @ b`` when ``acc`` is None) as the chain takes it: bf16 operands with ``BF16_DOTS`` (float32
-    accumulation; a float32 operand, the state's included, is rounded for the product alone),
-    else float32 operands at ``DOT_PRECISION``. ``BF16_DOTS`` 2: the same products with the
+    """``acc + a @ b`` (``a @ b`` when ``acc`` is None) as the chain takes it: bf16 operands
+    with ``BF16_DOTS`` (float32 accumulation; a float32 operand, the state's included, is
+    rounded for the product alone), else float32 operands at ``DOT_PRECISION``. ``BF16_DOTS`` 2: the same products with the
     rounded operands widened back to float32 and multiplied exactly (the interpreter's bf16
     dot reads bf16 bits wrongly; a bf16 x bf16 product is exact in float32)."""
     if BF16_DOTS == 1:
@@ -718,9 +718,8 @@ def chunk_prefill_triton(q, k, v, g, beta, state, slot_indices, out, *, cu_seqle
     ws_k = torch.empty(rows, BK, dtype=qk_dtype, device=dev)
     ws_w = torch.empty(rows, BK, dtype=torch.float32, device=dev)
     ws_u = torch.empty(rows, BVW, dtype=factor_dtype, device=dev)
-    f_q = ws_q if qk_dtype == factor_dtype else torch.empty(rows, BK, dtype=factor_dtype, device=dev)
-    f_k = ws_k if qk_dtype == factor_dtype else torch.empty(rows, BK, dtype=factor_dtype, device=dev)
-    f_w = ws_w if factor_dtype == torch.float32 else torch.empty(rows, BK, dtype=factor_dtype, device=dev)
+    f_q, f_k, f_w = (ws if ws.dtype == factor_dtype else torch.empty_like(ws, dtype=factor_dtype)
+                     for ws in (ws_q, ws_k, ws_w))
     ws_p = torch.empty(rows, C, dtype=torch.float32, device=dev)
     ws_a = torch.empty(rows, C, dtype=torch.float32, device=dev)
     ws_g = torch.empty(max_chunks * HV, BK, dtype=torch.float32, device=dev)
@@ -758,9 +757,11 @@ def chunk_prefill_triton(q, k, v, g, beta, state, slot_indices, out, *, cu_seqle
     state_tail = (state.shape[0], cs.shape[0], T, max_chunks,
                   out.stride(1), out.stride(2), *state.stride(), *cs.stride(),
                   ci.stride(0), ci.stride(1) if has_cs else 0, ci_cols)
+    # bf16 chain products: native bf16 dots, or (interpreter) their emulation (_chain_dot)
+    bf16_dots = (2 if interpreting() else 1) if cfg.chain_dot_dtype == "bfloat16" else 0
     state_constexprs = dict(H=H, HV=HV, K=K, V=V, BLOCK_K=BK, BLOCK_V_WS=BVW, BLOCK_V=block_v, C=C,
                             HAS_INITIAL_FLAGS=has_initial_state is not None, HAS_CHUNK_STATES=has_cs,
-                            DOT_PRECISION=cfg.dot_precision, BF16_DOTS=(2 if interpreting() else 1) if cfg.chain_dot_dtype == "bfloat16" else 0,
+                            DOT_PRECISION=cfg.dot_precision, BF16_DOTS=bf16_dots,
                             PIPELINE_STAGES=1 if interpreting() else cfg.pipeline_stages,
                             INTERVAL=chunk_state_interval, ERR_INDEX=errors.INDEX["chunk_prefill"])
     P = cfg.chain_pieces
