@@ -1,7 +1,7 @@
 """Tree verify on the GPU: checks at real sizes against float64, then timings.
 
     python benchmarks/bench_tree_verify.py [--quick] [--batches 8,64,256] [--nodes 4,8,16]
-                                           [--name tree_verify_h200]
+                                           [--configs ...] [--commit-configs ...] [--name tree_verify_h200]
 
 Tree verify (kdakit/ops/tree_verify.py) against the chain verify (mtp_verify, snapshot mode)
 at the same node count, H = HV = 32, K = V = 128, bf16 activations, float32 states, safe
@@ -27,6 +27,7 @@ import kdakit
 from kdakit import reference
 from kdakit.bench import harness
 from kdakit.ops.mtp_verify import VerifyConfig, ring_form
+from kdakit.ops.tree_commit import TreeCommitConfig
 
 H = HV = 32
 K = V = 128
@@ -220,6 +221,38 @@ def verify_config(group):
         chain_module.mtp_verify_config, tree_module.tree_verify_config = pinned
 
 
+@contextlib.contextmanager
+def commit_config(group):
+    """commit_tree_ring with ``group``'s TreeCommitConfig fields over the picked config while the block runs."""
+    from kdakit.ops import tree_commit
+    pinned = tree_commit.tree_commit_config
+    tree_commit.tree_commit_config = lambda *a: (harness.parse_configs(group, TreeCommitConfig, base=pinned(*a)) or
+                                                [pinned(*a)])[0]
+    try:
+        yield
+    finally:
+        tree_commit.tree_commit_config = pinned
+
+
+def check_commit_configs(results, groups):
+    """Every swept path-commit config against the snapshot of the accepted node, bitwise."""
+    for N, T, shape in ((8, 8, "top2"), (64, 16, "random"), (16, 6, "top2")):
+        snap = make_layer(N, T, conv=False, mode="snapshot", shape=shape, seed=7)
+        ring = make_layer(N, T, conv=False, mode="ring", shape=shape, seed=7)
+        tree_call(snap)()
+        tree_call(ring)()
+        accepted = torch.randint(0, T, (N,), device="cuda", dtype=torch.int32)
+        paths, lens = path_tensors(snap["parents"], accepted)
+        want = snap["state"].clone()
+        kdakit.commit_snapshots(want, snap["snapshots"], snap["slots"], snap["scratch_idx"], accepted)
+        for group in groups:
+            got = ring["state"].clone()
+            with commit_config(group):
+                kdakit.commit_tree_ring(got, *ring["rings"], ring["slots"], paths, lens)
+            results["checks"].append({"case": f"commit-tree-ring-{shape}-N{N}-T{T}-[{group}]-bitwise-snapshot",
+                                      "ok": torch.equal(got, want), "pool_err": float((got - want).abs().max())})
+
+
 def check_configs(results, groups, N=8, T=16):
     """Every swept config against the picked one, bitwise: outputs and snapshots of a top-2
     tree, a random tree and the chain (a loop, an unrolled loop, a prefetch: the same bits)."""
@@ -246,7 +279,7 @@ def time_calls(results, name, layers, call, moved, **base):
     add_row(results, name, t, moved, layers=len(layers), **base)
 
 
-def timings(results, batches, nodes, conv_too=True, groups=()):
+def timings(results, batches, nodes, conv_too=True, groups=(), commit_groups=()):
     for T in nodes:
         for N in batches:
             base = {"N": N, "T": T}
@@ -289,6 +322,10 @@ def timings(results, batches, nodes, conv_too=True, groups=()):
                         L["state"], *L["rings"], L["slots"], p, n))
                 t = harness.graph_time_us(commits)
                 add_row(results, f"commit-tree-ring-{shape}", t, 2 * N * STATE_BYTES, layers=nl, **base)
+                for group in commit_groups:  # the swept configs, same paths
+                    with commit_config(group):
+                        t = harness.graph_time_us(commits)
+                    add_row(results, f"commit-tree-ring-{shape}[{group}]", t, 2 * N * STATE_BYTES, layers=nl, **base)
                 del layers, commits
                 torch.cuda.empty_cache()
 
@@ -302,6 +339,9 @@ def main():
     ap.add_argument("--configs", default=None,
                     help="VerifyConfig variants of the snapshot verifies (tree and chain) to time besides the picked "
                          "one, harness.parse_configs syntax, e.g. 'unroll_steps=false;prefetch_parent=true'")
+    ap.add_argument("--commit-configs", default=None,
+                    help="TreeCommitConfig variants of the path commit to time besides the picked one, e.g. "
+                         "'block_v=16;block_v=32,num_warps=2'")
     ap.add_argument("--name", default="tree_verify_h200")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -310,15 +350,17 @@ def main():
     batches = [int(x) for x in args.batches.split(",")] if args.batches else ([8, 64] if args.quick else [8, 64, 256])
     nodes = [int(x) for x in args.nodes.split(",")] if args.nodes else ([4, 8] if args.quick else [4, 8, 16])
     groups = harness.config_groups(args.configs, VerifyConfig, base=VerifyConfig(block_v=8))
+    commit_groups = harness.config_groups(args.commit_configs, TreeCommitConfig, base=TreeCommitConfig(block_v=8))
     results = harness.new_results(H=H, HV=HV, K=K, V=V, lower_bound=LOWER_BOUND)
     if not args.skip_checks:
         correctness(results)
         check_configs(results, groups)
+        check_commit_configs(results, commit_groups)
     failed = [c["case"] for c in results["checks"] if not c["ok"]]
     for c in results["checks"]:
         print(("ok   " if c["ok"] else "FAIL ") + c["case"], {k: v for k, v in c.items() if k not in ("case", "ok")})
     if not failed:
-        timings(results, batches, nodes, conv_too=not args.quick, groups=groups)
+        timings(results, batches, nodes, conv_too=not args.quick, groups=groups, commit_groups=commit_groups)
     harness.close_results(results)
     path = harness.save(results, args.name, harness.results_folder(__file__))
     harness.print_table(results["rows"], ["name", "N", "T", "us", "GB/s", "pct_of_copy", "layers"])

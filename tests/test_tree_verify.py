@@ -502,7 +502,8 @@ def test_16_bit_pool_and_snapshots(pool_dtype):
 @pytest.mark.parametrize("mode", ["snapshot", "ring"])
 def test_node_loop_equals_unrolled_nodes_bitwise(mode, lower_bound, monkeypatch):
     """``VerifyConfig.unroll_steps=False`` (a loop over the nodes, picked for long trees), with
-    and without ``prefetch_parent``, gives the unrolled kernel's bits: outputs, snapshots or
+    and without ``prefetch_parent`` and ``keep_reloaded`` (L2 hints: the same values), gives the
+    unrolled kernel's bits: outputs, snapshots or
     ring entries, windows; a padding row, a second root and invalid parents among them."""
     from kdakit.ops import tree_verify as module
     T = 7
@@ -513,7 +514,9 @@ def test_node_loop_equals_unrolled_nodes_bitwise(mode, lower_bound, monkeypatch)
     pinned = module.tree_verify_config
     got = []
     for variant in (dict(unroll_steps=True), dict(unroll_steps=False),
-                    dict(unroll_steps=False, prefetch_parent=True)):
+                    dict(unroll_steps=False, prefetch_parent=True),
+                    dict(unroll_steps=False, prefetch_parent=True, keep_reloaded=True),
+                    dict(unroll_steps=True, keep_reloaded=True)):
         monkeypatch.setattr(module, "tree_verify_config",
                             lambda *a, **kw: dataclasses.replace(pinned(*a, **kw), **variant))
         bufs = fresh_buffers(d)
@@ -533,3 +536,27 @@ def test_long_trees_loop_over_their_nodes_with_the_parent_prefetch():
     short, long = tree_verify_config(64, 4, 32, 128, 128, None), tree_verify_config(64, 8, 32, 128, 128, None)
     assert short.unroll_steps and not short.prefetch_parent
     assert not long.unroll_steps and long.prefetch_parent
+
+
+@pytest.mark.parametrize("variant", [dict(block_v=4), dict(block_v=32), dict(block_v=8, num_warps=2)],
+                         ids=["rows4", "rows32-past-V", "rows8-2warps"])
+def test_path_commit_configs_give_the_pinned_bits(variant, monkeypatch):
+    """A path commit with more or fewer state rows a program, or more warps, folds the same
+    values (on the GPU the benchmark checks the bits against the snapshot per config); the
+    padding row's and the unclaimed slots' states untouched."""
+    from kdakit.ops import tree_commit as module
+    from kdakit.ops.tree_commit import _example
+    fn, args, kw = _example(3)
+    before = args[0].clone()
+    pinned_state = args[0].clone()
+    fn(pinned_state, *args[1:], backend="triton", **kw)
+    pinned = module.tree_commit_config
+    monkeypatch.setattr(module, "tree_commit_config", lambda *a: dataclasses.replace(pinned(*a), **variant))
+    state = args[0].clone()
+    fn(state, *args[1:], backend="triton", **kw)
+    assert torch.equal(state, pinned_state)
+    touched = {int(s) for s in args[5] if int(s) >= 0}
+    for s in range(state.shape[0]):
+        if s not in touched:
+            assert torch.equal(state[s], before[s])
+    assert not torch.equal(state[sorted(touched)], before[sorted(touched)])

@@ -10,6 +10,8 @@ writes for the accepted node. The conv windows are a snapshot commit of the acce
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -104,15 +106,34 @@ def _commit_tree_ring_kernel(
 _commit_tree_ring = CachedKernel(_commit_tree_ring_kernel)
 
 
+@dataclass(frozen=True)
+class TreeCommitConfig:
+    """Launch configuration of one path commit (``tree_commit_config`` picks it). ``block_v``
+    state rows on ``num_warps`` warps a program. Each row is reduced over K exactly as the
+    verify's one-warp tile reduces it whatever the rows a program holds (its K across one
+    warp's lanes, as in the verify), which keeps the commit bitwise the verify's snapshot:
+    the benchmark checks that on the GPU for every config it times."""
+    block_v: int
+    num_warps: int = 1
+
+
+def tree_commit_config(V: int, K: int) -> TreeCommitConfig:
+    """The path commit's pinned config: the verify recurrence's tile."""
+    block_v, num_warps = recurrence_tile(V, K)
+    return TreeCommitConfig(block_v=block_v, num_warps=num_warps)
+
+
 @register("commit_tree_ring", "triton")
 def commit_tree_ring_triton(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, paths, accept_lens, *,
-                            use_qk_l2norm, null_block_id):
+                            use_qk_l2norm, null_block_id, config: TreeCommitConfig | None = None):
+    """``config`` overrides the pinned choice (``tree_commit_config``; sweeps, tests)."""
     N = slot_indices.shape[0]
     if N == 0:
         return
     _, HV, V, K = state.shape
     H, ring_len = ring_k.shape[1], ring_k.shape[2]
-    block_v, num_warps = recurrence_tile(V, K)
+    cfg = config or tree_commit_config(V, K)
+    block_v, num_warps = cfg.block_v, cfg.num_warps
     _commit_tree_ring(
         (cdiv(V, block_v), HV, N),
         (state, ring_k, ring_v, ring_g, ring_beta, slot_indices, paths, accept_lens, errors.counters(state.device),

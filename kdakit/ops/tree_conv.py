@@ -53,6 +53,13 @@ def tree_parent(par, node, BLOCK_T: tl.constexpr):
 
 
 @triton.jit
+def has_child_after(par, node, after, BLOCK_T: tl.constexpr):
+    """Whether a node numbered above ``after`` has ``node`` as its parent (``load_tree_parents``' vector)."""
+    nodes = tl.arange(0, BLOCK_T)
+    return tl.max(((par == node) & (nodes > after)).to(tl.int32), axis=0) > 0
+
+
+@triton.jit
 def _effective_parent(parents_n, node, T: tl.constexpr):
     """The effective parents of ``node`` (a block of node ids, each in ``[0, T)`` or past T):
     -1 for node 0, for ``p = -1``, for an invalid ``p`` (``p >= node``, ``p < -1``) and past T,
