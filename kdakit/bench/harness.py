@@ -220,7 +220,7 @@ def config_name(config, base=None) -> str:
 
 
 def print_table(rows: list[dict], columns: list[str]) -> None:
-    widths = [max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in columns]
+    widths = [max([len(c)] + [len(str(r.get(c, ""))) for r in rows]) for c in columns]
     print("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
     for r in rows:
         print("  ".join(str(r.get(c, "")).ljust(w) for c, w in zip(columns, widths)))
