@@ -41,7 +41,7 @@ from .gated_rmsnorm import gated_rmsnorm_after
 from .launch import CachedKernel, cdiv, next_power_of_2, pdl_available
 from .mtp_verify import VerifyConfig, _load_step, check_mtp_verify, recurrence_tile, ring_form, unroll_steps
 from .ring_verify import MAX_TREE_NODES, ring_verify, ring_verify_config
-from .tree_conv import count_invalid_parents, has_child_after, load_tree_parents, tree_conv, tree_parent
+from .tree_conv import count_invalid_parents, depth_first_positions, load_tree_parents, node_at, tree_conv, tree_parent
 from .triton_math import count_bad_rows, delta_rule_update, l2_normalize, mask_if
 
 
@@ -93,15 +93,9 @@ def _node_start(S, t, par, s_ptrs, state_h, snap_h, tile, mask_s, s_snap_t, x_q,
 @triton.jit
 def _node_step(S, cur, t, live, slot, n64, i_h, i_hv, i_v, offs_k, offs_v, mask_v, mask_s, mask_v_live, mask_k_head,
                mask_k_key_head, tile, snap_h, s_snap_t, out, snapshots, ring_k, ring_v, ring_g, ring_beta, s_rk_slot,
-               s_rv_slot, s_rg_slot, s_rb_slot, ring_len, scale, par, T: tl.constexpr, HV: tl.constexpr,
-               K: tl.constexpr, V: tl.constexpr, RING: tl.constexpr, BLOCK_T: tl.constexpr,
-               KEEP_RELOADED: tl.constexpr):
-    """Node t from its starting tile: its ring entries, the update, its output row and snapshot.
-    KEEP_RELOADED: the snapshot of a node that a later node other than t + 1 starts from is
-    stored for the L2 to keep (that node reloads it), every other snapshot to leave it first
-    (nothing in this call reads it again). Two stores under complementary masks, not a
-    branch: a branch between the two hints, or a hint on the reload, held 20-40 more
-    registers (ptxas, sm_90, K = V = 128, 16 nodes: 148-168 against 128)."""
+               s_rv_slot, s_rg_slot, s_rb_slot, ring_len, scale, T: tl.constexpr, HV: tl.constexpr,
+               K: tl.constexpr, V: tl.constexpr, RING: tl.constexpr):
+    """Node t from its starting tile: its ring entries, the update, its output row and snapshot."""
     q_t, k_t, v_t, g_t, beta_t = cur
     if RING:  # the raw per-node inputs of the commit's replay
         tl.store(ring_k + slot * s_rk_slot + (i_h * ring_len + t) * K + offs_k, k_t.to(ring_k.dtype.element_ty),
@@ -117,14 +111,7 @@ def _node_step(S, cur, t, live, slot, n64, i_h, i_hv, i_v, offs_k, offs_v, mask_
     o = tl.where(live, tl.sum(S * q_hat[None, :], axis=1), 0.0)
     tl.store(out + ((n64 * T + t) * HV + i_hv) * V + offs_v, o.to(out.dtype.element_ty), mask=mask_v)
     if not RING:
-        snap = S.to(snapshots.dtype.element_ty)
-        if KEEP_RELOADED:
-            keep = has_child_after(par, t, t + 1, BLOCK_T)  # a later node other than t + 1 starts from it
-            ptrs = snap_h + t * s_snap_t + tile
-            tl.store(ptrs, snap, mask=mask_if(mask_s, keep), eviction_policy="evict_last")
-            tl.store(ptrs, snap, mask=mask_if(mask_s, ~keep), eviction_policy="evict_first")
-        else:
-            tl.store(snap_h + t * s_snap_t + tile, snap, mask=mask_s)
+        tl.store(snap_h + t * s_snap_t + tile, S.to(snapshots.dtype.element_ty), mask=mask_s)
     return S
 
 
@@ -138,7 +125,7 @@ def _tree_verify_kernel(
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_T: tl.constexpr, SAFE_GATE: tl.constexpr,
     RING: tl.constexpr,
     WAIT_FOR_TOKENS: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr, ERR_INDEX: tl.constexpr,
-    UNROLL_STEPS: tl.constexpr, PREFETCH_PARENT: tl.constexpr, KEEP_RELOADED: tl.constexpr,
+    UNROLL_STEPS: tl.constexpr, PREFETCH_PARENT: tl.constexpr, DEPTH_FIRST: tl.constexpr,
 ):
     # One program: BLOCK_V state rows of one (request, value head), through the T nodes.
     # RING (no snapshots): a node whose parent is not the previous node starts again from
@@ -197,7 +184,17 @@ def _tree_verify_kernel(
     if WAIT_FOR_TOKENS:
         gdc_wait()
 
-    nxt = _load_step(x_q, x_k, x_v, a, b, 0, n64, i_hv, ch_qk, ch_v, offs_k, mask_k, mask_v, bias, A_log_h,
+    # The snapshot loop with the prefetch may walk the nodes depth first (node x at step t):
+    # a node's parent is then the node before it more often, and a reloaded parent was stored
+    # fewer nodes before, so it is more likely still in the L2. Every node computes the same
+    # values in any order in which its parent comes before it.
+    WALK: tl.constexpr = DEPTH_FIRST and PREFETCH_PARENT and not RING and not UNROLL_STEPS
+    if WALK:
+        positions = depth_first_positions(par, T, BLOCK_T)
+        x = node_at(positions, 0, BLOCK_T)
+    else:
+        x = 0
+    nxt = _load_step(x_q, x_k, x_v, a, b, x, n64, i_hv, ch_qk, ch_v, offs_k, mask_k, mask_v, bias, A_log_h,
                      lower_bound, T, H, HV, K, V, SAFE_GATE)
     if UNROLL_STEPS:
         for t in tl.static_range(T):
@@ -213,8 +210,8 @@ def _tree_verify_kernel(
                                  A_log_h, lower_bound, T, H, HV, K, V, SAFE_GATE)
             S = _node_step(S, cur, t, live, slot, n64, i_h, i_hv, i_v, offs_k, offs_v, mask_v, mask_s, mask_v_live,
                            mask_k_head, mask_k_key_head, tile, snap_h, s_snap_t, out, snapshots, ring_k, ring_v,
-                           ring_g, ring_beta, s_rk_slot, s_rv_slot, s_rg_slot, s_rb_slot, ring_len, scale, par, T,
-                           HV, K, V, RING, BLOCK_T, KEEP_RELOADED)
+                           ring_g, ring_beta, s_rk_slot, s_rv_slot, s_rg_slot, s_rb_slot, ring_len, scale, T, HV,
+                           K, V, RING)
             if not RING:
                 if t + 1 < T:
                     # A later node may reload this snapshot, and another thread of the program may
@@ -229,31 +226,38 @@ def _tree_verify_kernel(
         # t computes (one more tile in registers: 128 against 80 at K = V = 128).
         PREFETCH: tl.constexpr = PREFETCH_PARENT and not RING
         start = S
+        x_prev = x
         for t in range(T):
             cur = nxt
+            if WALK:
+                x_next = node_at(positions, tl.minimum(t + 1, T - 1), BLOCK_T)
+            else:
+                x_next = tl.minimum(t + 1, T - 1)
             if t > 0:
                 if PREFETCH:
-                    if tree_parent(par, t, BLOCK_T) != t - 1:
+                    if tree_parent(par, x, BLOCK_T) != x_prev:
                         S = start
                 else:
                     S = _node_start(S, t, par, s_ptrs, state_h, snap_h, tile, mask_s, s_snap_t, x_q, x_k, x_v, a, b,
                                     n64, i_hv, ch_qk, ch_v, offs_k, mask_k, mask_v, bias, A_log_h, lower_bound, T, H,
                                     HV, K, V, SAFE_GATE, BLOCK_T, RING)
             if PREFETCH:
-                p_next = tree_parent(par, tl.minimum(t + 1, T - 1), BLOCK_T)
-                if (t + 1 < T) & (p_next != t):
+                p_next = tree_parent(par, x_next, BLOCK_T)
+                if (t + 1 < T) & (p_next != x):
                     if p_next < 0:
                         start = tl.load(state_h + tile, mask=mask_s, other=0.0).to(tl.float32)
                     else:
                         start = tl.load(snap_h + p_next * s_snap_t + tile, mask=mask_s, other=0.0).to(tl.float32)
-            nxt = _load_step(x_q, x_k, x_v, a, b, tl.minimum(t + 1, T - 1), n64, i_hv, ch_qk, ch_v, offs_k, mask_k,
-                             mask_v, bias, A_log_h, lower_bound, T, H, HV, K, V, SAFE_GATE)
-            S = _node_step(S, cur, t, live, slot, n64, i_h, i_hv, i_v, offs_k, offs_v, mask_v, mask_s, mask_v_live,
+            nxt = _load_step(x_q, x_k, x_v, a, b, x_next, n64, i_hv, ch_qk, ch_v, offs_k, mask_k, mask_v, bias,
+                             A_log_h, lower_bound, T, H, HV, K, V, SAFE_GATE)
+            S = _node_step(S, cur, x, live, slot, n64, i_h, i_hv, i_v, offs_k, offs_v, mask_v, mask_s, mask_v_live,
                            mask_k_head, mask_k_key_head, tile, snap_h, s_snap_t, out, snapshots, ring_k, ring_v,
-                           ring_g, ring_beta, s_rk_slot, s_rv_slot, s_rg_slot, s_rb_slot, ring_len, scale, par, T,
-                           HV, K, V, RING, BLOCK_T, KEEP_RELOADED)
+                           ring_g, ring_beta, s_rk_slot, s_rv_slot, s_rg_slot, s_rb_slot, ring_len, scale, T, HV,
+                           K, V, RING)
             if not RING:
-                tl.debug_barrier()  # node t's snapshot visible to every thread before a later load of it
+                tl.debug_barrier()  # node x's snapshot visible to every thread before a later load of it
+            x_prev = x
+            x = x_next
 
 
 _tree_verify = CachedKernel(_tree_verify_kernel)
@@ -326,7 +330,7 @@ def tree_verify_triton(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scrat
                  BLOCK_T=next_power_of_2(T), SAFE_GATE=lower_bound is not None, RING=ring, WAIT_FOR_TOKENS=conv and pdl,
                  LAUNCH_DEPENDENTS=norm and pdl, ERR_INDEX=errors.INDEX["tree_verify"],
                  UNROLL_STEPS=bool(cfg.unroll_steps), PREFETCH_PARENT=bool(cfg.prefetch_parent),
-                 KEEP_RELOADED=bool(cfg.keep_reloaded) and not ring),
+                 DEPTH_FIRST=bool(cfg.depth_first)),
             num_warps=num_warps, num_stages=1, launch_pdl=conv and pdl)
     if norm:  # padding rows stay zero: their raw output is zero, and so is its norm
         gated_rmsnorm_after(raw_out, norm_gate, norm_weight, out, eps=norm_eps, wait_for_x=pdl)
