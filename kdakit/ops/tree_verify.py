@@ -193,7 +193,7 @@ def _tree_verify_kernel(
         positions = depth_first_positions(par, T, BLOCK_T)
         x = node_at(positions, 0, BLOCK_T)
     else:
-        x = 0
+        x = tl.full([], 0, tl.int32)  # a tensor: a loop-carried constant 0 would stay 0 when compiled
     nxt = _load_step(x_q, x_k, x_v, a, b, x, n64, i_hv, ch_qk, ch_v, offs_k, mask_k, mask_v, bias, A_log_h,
                      lower_bound, T, H, HV, K, V, SAFE_GATE)
     if UNROLL_STEPS:
