@@ -189,12 +189,11 @@ def _tree_verify_kernel(
     # fewer nodes before, so it is more likely still in the L2. Every node computes the same
     # values in any order in which its parent comes before it.
     WALK: tl.constexpr = DEPTH_FIRST and PREFETCH_PARENT and not RING and not UNROLL_STEPS
+    first = 0
     if WALK:
         positions = depth_first_positions(par, T, BLOCK_T)
-        x = node_at(positions, 0, BLOCK_T)
-    else:
-        x = tl.full([], 0, tl.int32)  # a tensor: a loop-carried constant 0 would stay 0 when compiled
-    nxt = _load_step(x_q, x_k, x_v, a, b, x, n64, i_hv, ch_qk, ch_v, offs_k, mask_k, mask_v, bias, A_log_h,
+        first = node_at(positions, 0, BLOCK_T)
+    nxt = _load_step(x_q, x_k, x_v, a, b, first, n64, i_hv, ch_qk, ch_v, offs_k, mask_k, mask_v, bias, A_log_h,
                      lower_bound, T, H, HV, K, V, SAFE_GATE)
     if UNROLL_STEPS:
         for t in tl.static_range(T):
@@ -226,12 +225,17 @@ def _tree_verify_kernel(
         # t computes (one more tile in registers: 128 against 80 at K = V = 128).
         PREFETCH: tl.constexpr = PREFETCH_PARENT and not RING
         start = S
-        x_prev = x
         for t in range(T):
             cur = nxt
+            # node x at step t, the nodes of steps t - 1 and t + 1 (no node id is carried from one
+            # step to the next: a value assigned from another carried one was not carried when compiled)
             if WALK:
+                x = node_at(positions, t, BLOCK_T)
+                x_prev = node_at(positions, t - 1, BLOCK_T)
                 x_next = node_at(positions, tl.minimum(t + 1, T - 1), BLOCK_T)
             else:
+                x = t
+                x_prev = t - 1
                 x_next = tl.minimum(t + 1, T - 1)
             if t > 0:
                 if PREFETCH:
@@ -256,8 +260,6 @@ def _tree_verify_kernel(
                            K, V, RING)
             if not RING:
                 tl.debug_barrier()  # node x's snapshot visible to every thread before a later load of it
-            x_prev = x
-            x = x_next
 
 
 _tree_verify = CachedKernel(_tree_verify_kernel)
