@@ -225,13 +225,14 @@ def _tree_verify_kernel(
         # t computes (one more tile in registers: 128 against 80 at K = V = 128).
         PREFETCH: tl.constexpr = PREFETCH_PARENT and not RING
         start = S
+        if WALK:
+            x = first
+            x_prev = first - 1  # its own value: a name assigned the value of another before the loop is not carried
         for t in range(T):
             cur = nxt
             # node x at step t, the nodes of steps t - 1 and t + 1 (no node id is carried from one
             # step to the next: a value assigned from another carried one was not carried when compiled)
             if WALK:
-                x = node_at(positions, t, BLOCK_T)
-                x_prev = node_at(positions, t - 1, BLOCK_T)
                 x_next = node_at(positions, tl.minimum(t + 1, T - 1), BLOCK_T)
             else:
                 x = t
@@ -260,6 +261,9 @@ def _tree_verify_kernel(
                            K, V, RING)
             if not RING:
                 tl.debug_barrier()  # node x's snapshot visible to every thread before a later load of it
+            if WALK:
+                x_prev = x
+                x = x_next
 
 
 _tree_verify = CachedKernel(_tree_verify_kernel)
