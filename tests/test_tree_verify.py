@@ -606,3 +606,14 @@ def test_depth_first_positions_walk_smaller_subtrees_first(T, BLOCK_T):
         want[torch.tensor(order)] = torch.arange(BLOCK_T, dtype=torch.int32)
         assert torch.equal(out, want), (parents, out.tolist(), want.tolist())
         assert sorted(out[:T].tolist()) == list(range(T))
+
+
+def test_commit_pickers_take_two_recurrence_tiles_of_rows_on_one_warp():
+    """The path commit folds 16 rows a warp at K = V = 128, the chain's ring commit too from
+    8-step rings (8 rows below): one warp each, so the bits stay the verify's."""
+    from kdakit.ops.commit import commit_ring_config
+    from kdakit.ops.tree_commit import tree_commit_config
+    assert (tree_commit_config(128, 128).block_v, tree_commit_config(128, 128).num_warps) == (16, 1)
+    assert (commit_ring_config(128, 128, 8).block_v, commit_ring_config(128, 128, 8).num_warps) == (16, 1)
+    assert commit_ring_config(128, 128, 4).block_v == 8
+    assert tree_commit_config(128, 256).block_v == 8

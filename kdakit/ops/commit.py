@@ -17,7 +17,7 @@ import triton.language as tl
 from .. import contracts, errors, reference
 from ..backends import register, select
 from .launch import CachedKernel, cdiv, next_power_of_2
-from .mtp_verify import recurrence_tile
+from .mtp_verify import RECURRENCE_TILE_BYTES, recurrence_tile
 from .registry import example_index, example_pool, example_rand, example_randn, example_rng, kdakit_op
 from .triton_math import count_bad_row, delta_rule_update, l2_normalize, mask_if
 
@@ -163,8 +163,10 @@ _gather_copy = CachedKernel(_gather_copy_kernel)
 @dataclass(frozen=True)
 class CommitRingConfig:
     """Launch configuration of one ring commit (``commit_ring_config`` picks it from the
-    shapes). ``block_v``, ``num_warps``: the verify recurrence's tile (``recurrence_tile``:
-    the same tile as the verify, so a ring commit equals a snapshot commit bitwise);
+    shapes). ``block_v``, ``num_warps``: state rows on one warp, as the verify recurrence
+    holds them (``recurrence_tile``; its 8 rows or 16 at K = 128): one warp reduces each row
+    over K in the verify's order whatever the rows it holds, so a ring commit equals a
+    snapshot commit bitwise (more warps do not: the k norm then spans warps);
     ``tiles``: recurrence tiles folded per program, in turn (the next one's state loading
     while this one folds); ``steps_ahead``: how far ahead each step's ring rows load (1 or 2).
     A benchmark sweep passes its own (bench_mtp.py --commit-configs 'tiles=2,steps_ahead=1').
@@ -179,9 +181,18 @@ class CommitRingConfig:
     steps_ahead: int = 2
 
 
-def commit_ring_config(V: int, K: int) -> CommitRingConfig:
-    """The ring commit's pinned config."""
-    block_v, num_warps = recurrence_tile(V, K)
+# Rings of at least this many steps commit 8 KB of state rows a program, shorter ones the
+# verify's 4 KB (results/mtp_commit_rows_h200.json, N = 64 / 256: 7 steps 88.1 / 319.8 us
+# against 95.6 / 347.2 with 4 KB; 3 steps 74.2 / 280.0 against 73.6 / 279.0; 1 step 72.9 /
+# 277.3 against 71.1 / 269.7). Either tile is bitwise the verify's: one warp reduces each
+# row over K in the same order whatever the rows it holds.
+WIDE_COMMIT_FROM_STEPS = 8
+
+
+def commit_ring_config(V: int, K: int, ring_len: int = 1) -> CommitRingConfig:
+    """The ring commit's pinned config for rings of ``ring_len`` steps."""
+    wide = ring_len >= WIDE_COMMIT_FROM_STEPS
+    block_v, num_warps = recurrence_tile(V, K, 2 * RECURRENCE_TILE_BYTES if wide else RECURRENCE_TILE_BYTES)
     return CommitRingConfig(block_v=block_v, num_warps=num_warps)
 
 
@@ -198,7 +209,7 @@ def commit_ring_triton(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, a
     N = slot_indices.shape[0]
     if N == 0 or num_layers == 0:
         return
-    cfg = config or commit_ring_config(V, K)
+    cfg = config or commit_ring_config(V, K, ring_len)
     block_v, num_warps = cfg.block_v, cfg.num_warps
     tiles = max(1, min(cfg.tiles, cdiv(V, block_v)))
     track = track_slots is not None

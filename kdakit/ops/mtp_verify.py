@@ -159,10 +159,10 @@ RECURRENCE_TILE_BYTES = 4096
 
 def recurrence_tile(V: int, K: int, tile_bytes: int = RECURRENCE_TILE_BYTES) -> tuple[int, int]:
     """(BLOCK_V, num_warps) of every kernel that runs the verify recurrence: one warp on
-    ``tile_bytes`` of float32 state rows. The ring commit replays with the same tile,
-    so its reductions round exactly like the verify's and a ring commit equals a snapshot
-    commit bitwise; that is also why the output norm runs as a second kernel rather than on
-    a full-row tile."""
+    ``tile_bytes`` of float32 state rows. The ring commits replay on one warp too (with
+    as many rows or twice as many), so their reductions round exactly like the verify's and
+    a ring commit equals a snapshot commit bitwise; that is also why the output norm runs
+    as a second kernel rather than on a full-row tile."""
     rows = tile_bytes // (next_power_of_2(K) * 4)
     return max(1, min(next_power_of_2(V), rows)), 1
 
