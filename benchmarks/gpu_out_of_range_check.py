@@ -47,7 +47,9 @@ def check(param) -> list[str]:
     kdakit.take_errors()
     expect = cases.Buffers(0, "cuda")
     call, ix, bad, views = build(expect)
-    expected_out = call(cases._padding_instead(ix, bad), "reference")
+    # the same Triton call with that row as padding: the same kernels, so the same bits (the
+    # reference differs by the products' TF32 and bf16 roundings where an op uses them)
+    expected_out = call(cases._padding_instead(ix, bad), "triton")
     expected = [v.clone() for v in views]
     kdakit.take_errors()
 
