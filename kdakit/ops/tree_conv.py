@@ -77,13 +77,6 @@ def depth_first_positions(par, T: tl.constexpr, BLOCK_T: tl.constexpr):
 
 
 @triton.jit
-def node_at(positions, i, BLOCK_T: tl.constexpr):
-    """The node at position ``i`` of ``depth_first_positions``' walk."""
-    nodes = tl.arange(0, BLOCK_T)
-    return tl.max(tl.where(positions == i, nodes, -1), axis=0)
-
-
-@triton.jit
 def _effective_parent(parents_n, node, T: tl.constexpr):
     """The effective parents of ``node`` (a block of node ids, each in ``[0, T)`` or past T):
     -1 for node 0, for ``p = -1``, for an invalid ``p`` (``p >= node``, ``p < -1``) and past T,

@@ -41,7 +41,7 @@ from .gated_rmsnorm import gated_rmsnorm_after
 from .launch import CachedKernel, cdiv, next_power_of_2, pdl_available
 from .mtp_verify import VerifyConfig, _load_step, check_mtp_verify, recurrence_tile, ring_form, unroll_steps
 from .ring_verify import MAX_TREE_NODES, ring_verify, ring_verify_config
-from .tree_conv import count_invalid_parents, depth_first_positions, load_tree_parents, node_at, tree_conv, tree_parent
+from .tree_conv import count_invalid_parents, depth_first_positions, load_tree_parents, tree_conv, tree_parent
 from .triton_math import count_bad_rows, delta_rule_update, l2_normalize, mask_if
 
 
@@ -117,7 +117,7 @@ def _node_step(S, cur, t, live, slot, n64, i_h, i_hv, i_v, offs_k, offs_v, mask_
 
 @triton.jit
 def _tree_verify_kernel(
-    q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, parents, out, snapshots,
+    q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, parents, walk_order, out, snapshots,
     ring_k, ring_v, ring_g, ring_beta, errors,
     stride_state_slot, s_snap_row, s_snap_t, s_rk_slot, s_rv_slot, s_rg_slot, s_rb_slot, ring_len,
     num_slots, num_rows, scale, lower_bound,
@@ -187,12 +187,17 @@ def _tree_verify_kernel(
     # The snapshot loop with the prefetch may walk the nodes depth first (node x at step t):
     # a node's parent is then the node before it more often, and a reloaded parent was stored
     # fewer nodes before, so it is more likely still in the L2. Every node computes the same
-    # values in any order in which its parent comes before it.
+    # values in any order in which its parent comes before it. Every program of the request
+    # writes the same walk to walk_order[n] and reads its steps back as scalars, two steps
+    # ahead: picked out of a register vector, each step's node id was a reduction that the
+    # next node's loads waited on.
     WALK: tl.constexpr = DEPTH_FIRST and PREFETCH_PARENT and not RING and not UNROLL_STEPS
     first = 0
     if WALK:
-        positions = depth_first_positions(par, T, BLOCK_T)
-        first = node_at(positions, 0, BLOCK_T)
+        walk = walk_order + n64 * BLOCK_T
+        tl.store(walk + depth_first_positions(par, T, BLOCK_T), tl.arange(0, BLOCK_T))
+        tl.debug_barrier()
+        first = tl.load(walk)
     nxt = _load_step(x_q, x_k, x_v, a, b, first, n64, i_hv, ch_qk, ch_v, offs_k, mask_k, mask_v, bias, A_log_h,
                      lower_bound, T, H, HV, K, V, SAFE_GATE)
     if UNROLL_STEPS:
@@ -226,14 +231,15 @@ def _tree_verify_kernel(
         PREFETCH: tl.constexpr = PREFETCH_PARENT and not RING
         start = S
         if WALK:
+            # each with a value of its own: a name assigned another's value before the loop was not carried
             x = first
-            x_prev = first - 1  # its own value: a name assigned the value of another before the loop is not carried
+            x_prev = first - 1
+            x_next = tl.load(walk + tl.minimum(1, T - 1))
         for t in range(T):
             cur = nxt
-            # node x at step t, the nodes of steps t - 1 and t + 1 (no node id is carried from one
-            # step to the next: a value assigned from another carried one was not carried when compiled)
+            # node x at step t, x_prev and x_next those of steps t - 1 and t + 1
             if WALK:
-                x_next = node_at(positions, tl.minimum(t + 1, T - 1), BLOCK_T)
+                x_after = tl.load(walk + tl.minimum(t + 2, T - 1))
             else:
                 x = t
                 x_prev = t - 1
@@ -264,6 +270,7 @@ def _tree_verify_kernel(
             if WALK:
                 x_prev = x
                 x = x_next
+                x_next = x_after
 
 
 _tree_verify = CachedKernel(_tree_verify_kernel)
@@ -324,9 +331,12 @@ def tree_verify_triton(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scrat
                     launch_dependents=norm, pdl=pdl, parents=parents, config=cfg.ring)
     else:
         block_v, num_warps = cfg.block_v, cfg.num_warps
+        walks = cfg.depth_first and cfg.prefetch_parent and not ring and not cfg.unroll_steps
+        # the depth-first walk of each request's nodes, written by its programs (the same values)
+        walk_order = torch.empty((N, next_power_of_2(T)), dtype=torch.int32, device=q.device) if walks else parents
         _tree_verify(
             (cdiv(V, block_v), HV, N),
-            (q, k, v, a, b, A_log, dt_bias, state, slot_indices, rows_in, parents, raw_out,
+            (q, k, v, a, b, A_log, dt_bias, state, slot_indices, rows_in, parents, walk_order, raw_out,
              snapshots if not ring else dummy, ring_k, ring_v, ring_g, ring_beta, errors.counters(q.device),
              state.stride(0), *((0, 0) if ring else (snapshots.stride(0), snapshots.stride(1))),
              *((ring_k.stride(0), ring_v.stride(0), ring_g.stride(0), ring_beta.stride(0), ring_k.shape[2]) if ring
