@@ -7,12 +7,9 @@ import dataclasses
 
 import pytest
 import torch
-import triton
-import triton.language as tl
 
 import kdakit
 from kdakit import reference
-from kdakit.ops.tree_conv import depth_first_positions, load_tree_parents
 
 from helpers import assert_close
 
@@ -505,8 +502,7 @@ def test_16_bit_pool_and_snapshots(pool_dtype):
 @pytest.mark.parametrize("mode", ["snapshot", "ring"])
 def test_node_loop_equals_unrolled_nodes_bitwise(mode, lower_bound, monkeypatch):
     """``VerifyConfig.unroll_steps=False`` (a loop over the nodes, picked for long trees), with
-    and without ``prefetch_parent``, and walking the nodes depth first (``depth_first``), gives
-    the unrolled kernel's bits: outputs, snapshots or
+    and without ``prefetch_parent``, gives the unrolled kernel's bits: outputs, snapshots or
     ring entries, windows; a padding row, a second root and invalid parents among them."""
     from kdakit.ops import tree_verify as module
     T = 7
@@ -517,8 +513,7 @@ def test_node_loop_equals_unrolled_nodes_bitwise(mode, lower_bound, monkeypatch)
     pinned = module.tree_verify_config
     got = []
     for variant in (dict(unroll_steps=True), dict(unroll_steps=False),
-                    dict(unroll_steps=False, prefetch_parent=True),
-                    dict(unroll_steps=False, prefetch_parent=True, depth_first=True)):
+                    dict(unroll_steps=False, prefetch_parent=True)):
         monkeypatch.setattr(module, "tree_verify_config",
                             lambda *a, **kw: dataclasses.replace(pinned(*a, **kw), **variant))
         bufs = fresh_buffers(d)
@@ -540,9 +535,8 @@ def test_long_trees_loop_over_their_nodes_with_the_parent_prefetch():
     assert not long.unroll_steps and long.prefetch_parent
 
 
-@pytest.mark.parametrize("variant", [dict(block_v=4), dict(block_v=32), dict(block_v=8, num_warps=2),
-                                     dict(block_v=16, state_first=True)],
-                         ids=["rows4", "rows32-past-V", "rows8-2warps", "rows16-state-first"])
+@pytest.mark.parametrize("variant", [dict(block_v=4), dict(block_v=32), dict(block_v=8, num_warps=2)],
+                         ids=["rows4", "rows32-past-V", "rows8-2warps"])
 def test_path_commit_configs_give_the_pinned_bits(variant, monkeypatch):
     """A path commit with more or fewer state rows a program, or more warps, folds the same
     values (on the GPU the benchmark checks the bits against the snapshot per config); the
@@ -563,49 +557,6 @@ def test_path_commit_configs_give_the_pinned_bits(variant, monkeypatch):
         if s not in touched:
             assert torch.equal(state[s], before[s])
     assert not torch.equal(state[sorted(touched)], before[sorted(touched)])
-
-
-@triton.jit
-def _positions_kernel(parents, out, T: tl.constexpr, BLOCK_T: tl.constexpr):
-    par = load_tree_parents(parents, T, BLOCK_T)
-    tl.store(out + tl.arange(0, BLOCK_T), depth_first_positions(par, T, BLOCK_T))
-
-
-def _walk(parents, T):
-    """The depth-first walk ``tree_conv.depth_first_positions`` takes, written plainly: roots
-    (p = -1, invalid parents included) and children by (subtree size, id), padding nodes last."""
-    par = [p if 0 < t < T and -1 <= p < t else -1 for t, p in enumerate(parents)]
-    children = {n: [c for c in range(len(par)) if par[c] == n] for n in [-1, *range(len(par))]}
-    size = [1] * len(par)
-    for t in range(len(par) - 1, -1, -1):
-        if par[t] >= 0:
-            size[par[t]] += size[t]
-    order, stack = [], sorted(children[-1], key=lambda c: (c >= T, size[c], c), reverse=True)
-    while stack:
-        n = stack.pop()
-        order.append(n)
-        stack.extend(sorted(children[n], key=lambda c: (size[c], c), reverse=True))
-    return order
-
-
-@pytest.mark.parametrize("T,BLOCK_T", [(7, 8), (16, 16), (11, 16)], ids=["T7", "T16", "T11-padded"])
-def test_depth_first_positions_walk_smaller_subtrees_first(T, BLOCK_T):
-    """The in-kernel depth-first order of the tree verify's node loop, against the same walk in
-    Python, on random trees with second roots and invalid parents: every parent before its
-    children, the nodes past T last."""
-    gen = torch.Generator().manual_seed(T)
-    for trial in range(6):
-        parents = random_tree(T, gen, depth=6)
-        if trial % 2:
-            parents[T // 2] = -1           # a second root
-            parents[T - 1] = T + 3          # invalid: a root too
-        out = torch.full((BLOCK_T,), -7, dtype=torch.int32)
-        _positions_kernel[(1,)](torch.tensor(parents, dtype=torch.int32), out, T=T, BLOCK_T=BLOCK_T)
-        order = _walk(parents + [-1] * (BLOCK_T - T), T)
-        want = torch.empty(BLOCK_T, dtype=torch.int32)
-        want[torch.tensor(order)] = torch.arange(BLOCK_T, dtype=torch.int32)
-        assert torch.equal(out, want), (parents, out.tolist(), want.tolist())
-        assert sorted(out[:T].tolist()) == list(range(T))
 
 
 def test_commit_pickers_take_two_recurrence_tiles_of_rows_on_one_warp():

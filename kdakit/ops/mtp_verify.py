@@ -195,7 +195,6 @@ class VerifyConfig:
     conv: VerifyConvConfig = VerifyConvConfig()
     unroll_steps: bool = True  # the recurrence's step loop unrolled (False: a loop; long chains)
     prefetch_parent: bool = False  # tree snapshot loop: a node's parent tile loads a node early
-    depth_first: bool = False  # tree snapshot loop: nodes in a depth-first walk, smaller subtrees first
 
 
 def mtp_verify_config(N: int, T: int, HV: int, V: int, K: int, lower_bound) -> VerifyConfig:

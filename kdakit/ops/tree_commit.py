@@ -65,12 +65,9 @@ def _commit_tree_ring_kernel(
     null_block_id,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_P: tl.constexpr, USE_QK_L2NORM: tl.constexpr,
-    ERR_INDEX: tl.constexpr, STATE_FIRST: tl.constexpr,
+    ERR_INDEX: tl.constexpr,
 ):
-    # One program: BLOCK_V state rows of one (request, value head). STATE_FIRST: the state
-    # tile and the path load as soon as the slot is known, before the path is checked (a
-    # claimed slot inside the pool: a read inside it; nothing is stored unless the path is
-    # inside the rings), so that neither load waits for the other.
+    # One program: BLOCK_V state rows of one (request, value head).
     i_v, i_hv, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_hv // (HV // H)
     offs_k = tl.arange(0, BLOCK_K)
@@ -86,15 +83,8 @@ def _commit_tree_ring_kernel(
     # The path's nodes as one vector (BLOCK_P >= path_len): every node of it inside the rings,
     # else the request is skipped.
     offs_p = tl.arange(0, BLOCK_P)
-    tile = offs_v[:, None] * K + offs_k[None, :]
-    if STATE_FIRST:
-        s_ptrs = state + tl.where(active, slot, 0) * s_state_slot + i_hv * V * K + tile
-        S = tl.load(s_ptrs, mask=mask_if(mask_v[:, None] & mask_k[None, :], active), other=0.0).to(tl.float32)
-        along = offs_p < tl.minimum(tl.maximum(steps, 0), path_len)  # a row of `paths`, whatever the slot
-        nodes = tl.load(paths + i_n.to(tl.int64) * s_path_n + offs_p, mask=along, other=0).to(tl.int64)
-    else:
-        nodes = tl.load(paths + i_n.to(tl.int64) * s_path_n + offs_p, mask=offs_p < num, other=0).to(tl.int64)
     on_path = offs_p < num
+    nodes = tl.load(paths + i_n.to(tl.int64) * s_path_n + offs_p, mask=on_path, other=0).to(tl.int64)
     outside = tl.sum((on_path & ((nodes < 0) | (nodes >= ring_len))).to(tl.int32), axis=0)
     active = active & (outside == 0)
     # A claimed slot past the pool, or an accepted path with a node outside the rings: one
@@ -107,9 +97,8 @@ def _commit_tree_ring_kernel(
     p_v = ring_v + slot * s_rv_slot + i_hv * ring_len * V + offs_v
     p_g = ring_g + slot * s_rg_slot + i_hv * ring_len * K + offs_k
     p_b = ring_beta + slot * s_rb_slot + i_hv * ring_len
-    if not STATE_FIRST:
-        s_ptrs = state + slot * s_state_slot + i_hv * V * K + tile
-        S = tl.load(s_ptrs, mask=mask_s, other=0.0).to(tl.float32)
+    s_ptrs = state + slot * s_state_slot + i_hv * V * K + offs_v[:, None] * K + offs_k[None, :]
+    S = tl.load(s_ptrs, mask=mask_s, other=0.0).to(tl.float32)
     S = _fold_path_steps(S, p_k, p_v, p_g, p_b, nodes, num, mask_k, mask_v, K, V, BLOCK_P, USE_QK_L2NORM)
     tl.store(s_ptrs, S.to(state.dtype.element_ty), mask=mask_s)
 
@@ -126,7 +115,6 @@ class TreeCommitConfig:
     the benchmark checks that on the GPU for every config it times."""
     block_v: int
     num_warps: int = 1
-    state_first: bool = False  # the state tile loads before the path is checked
     max_registers: int | None = None  # a cap per thread (more programs an SM), None: the compiler's
 
 
@@ -158,7 +146,7 @@ def commit_tree_ring_triton(state, ring_k, ring_v, ring_g, ring_beta, slot_indic
          paths.shape[1], state.shape[0], int(null_block_id)),
         dict(H=H, HV=HV, K=K, V=V, BLOCK_K=next_power_of_2(K), BLOCK_V=block_v,
              BLOCK_P=max(2, next_power_of_2(paths.shape[1])), USE_QK_L2NORM=bool(use_qk_l2norm),
-             ERR_INDEX=errors.INDEX["commit_tree_ring"], STATE_FIRST=bool(cfg.state_first)), num_warps=num_warps,
+             ERR_INDEX=errors.INDEX["commit_tree_ring"]), num_warps=num_warps,
         num_stages=1, max_registers=cfg.max_registers)
 
 

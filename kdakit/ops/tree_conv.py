@@ -53,30 +53,6 @@ def tree_parent(par, node, BLOCK_T: tl.constexpr):
 
 
 @triton.jit
-def depth_first_positions(par, T: tl.constexpr, BLOCK_T: tl.constexpr):
-    """Each node's position in a depth-first walk of the request's tree (``load_tree_parents``'
-    vector; the roots, ``p = -1``, as children of the committed state) that takes a node's
-    smaller subtrees first (ties: the lower id), nodes past T last: a [BLOCK_T] int32 vector.
-    A parent comes before its children, and each return to a parent comes soon after its
-    previous child. Position of node i: its ancestors-or-self a, each counted once and with
-    the subtrees of a's siblings that the walk takes before a."""
-    nodes = tl.arange(0, BLOCK_T)
-    # anc[i, j]: node j is node i or one of its ancestors (a walk up, every node at once)
-    anc = nodes[:, None] == nodes[None, :]
-    up = par
-    while tl.max(up, axis=0) >= 0:
-        anc = anc | (up[:, None] == nodes[None, :])
-        up = tl.max(tl.where(up[:, None] == nodes[None, :], par[None, :], -1), axis=1)
-    size = tl.sum(anc.to(tl.int32), axis=0)
-    key = tl.where(nodes < T, size, BLOCK_T + nodes)  # past T: after every real node
-    # sib[a, s]: s is a sibling of a that the walk takes first
-    sib = (par[:, None] == par[None, :]) & ((key[None, :] < key[:, None]) |
-                                            ((key[None, :] == key[:, None]) & (nodes[None, :] < nodes[:, None])))
-    before = tl.sum(tl.where(sib, size[None, :], 0), axis=1)
-    return tl.sum(tl.where(anc, 1 + before[None, :], 0), axis=1) - 1
-
-
-@triton.jit
 def _effective_parent(parents_n, node, T: tl.constexpr):
     """The effective parents of ``node`` (a block of node ids, each in ``[0, T)`` or past T):
     -1 for node 0, for ``p = -1``, for an invalid ``p`` (``p >= node``, ``p < -1``) and past T,

@@ -41,7 +41,7 @@ from .gated_rmsnorm import gated_rmsnorm_after
 from .launch import CachedKernel, cdiv, next_power_of_2, pdl_available
 from .mtp_verify import VerifyConfig, _load_step, check_mtp_verify, recurrence_tile, ring_form, unroll_steps
 from .ring_verify import MAX_TREE_NODES, ring_verify, ring_verify_config
-from .tree_conv import count_invalid_parents, depth_first_positions, load_tree_parents, tree_conv, tree_parent
+from .tree_conv import count_invalid_parents, load_tree_parents, tree_conv, tree_parent
 from .triton_math import count_bad_rows, delta_rule_update, l2_normalize, mask_if
 
 
@@ -117,7 +117,7 @@ def _node_step(S, cur, t, live, slot, n64, i_h, i_hv, i_v, offs_k, offs_v, mask_
 
 @triton.jit
 def _tree_verify_kernel(
-    q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, parents, walk_order, out, snapshots,
+    q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, parents, out, snapshots,
     ring_k, ring_v, ring_g, ring_beta, errors,
     stride_state_slot, s_snap_row, s_snap_t, s_rk_slot, s_rv_slot, s_rg_slot, s_rb_slot, ring_len,
     num_slots, num_rows, scale, lower_bound,
@@ -125,7 +125,7 @@ def _tree_verify_kernel(
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_T: tl.constexpr, SAFE_GATE: tl.constexpr,
     RING: tl.constexpr,
     WAIT_FOR_TOKENS: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr, ERR_INDEX: tl.constexpr,
-    UNROLL_STEPS: tl.constexpr, PREFETCH_PARENT: tl.constexpr, DEPTH_FIRST: tl.constexpr,
+    UNROLL_STEPS: tl.constexpr, PREFETCH_PARENT: tl.constexpr,
 ):
     # One program: BLOCK_V state rows of one (request, value head), through the T nodes.
     # RING (no snapshots): a node whose parent is not the previous node starts again from
@@ -184,21 +184,7 @@ def _tree_verify_kernel(
     if WAIT_FOR_TOKENS:
         gdc_wait()
 
-    # The snapshot loop with the prefetch may walk the nodes depth first (node x at step t):
-    # a node's parent is then the node before it more often, and a reloaded parent was stored
-    # fewer nodes before, so it is more likely still in the L2. Every node computes the same
-    # values in any order in which its parent comes before it. Every program of the request
-    # writes the same walk to walk_order[n] and reads its steps back as scalars, two steps
-    # ahead: picked out of a register vector, each step's node id was a reduction that the
-    # next node's loads waited on.
-    WALK: tl.constexpr = DEPTH_FIRST and PREFETCH_PARENT and not RING and not UNROLL_STEPS
-    first = 0
-    if WALK:
-        walk = walk_order + n64 * BLOCK_T
-        tl.store(walk + depth_first_positions(par, T, BLOCK_T), tl.arange(0, BLOCK_T))
-        tl.debug_barrier()
-        first = tl.load(walk)
-    nxt = _load_step(x_q, x_k, x_v, a, b, first, n64, i_hv, ch_qk, ch_v, offs_k, mask_k, mask_v, bias, A_log_h,
+    nxt = _load_step(x_q, x_k, x_v, a, b, 0, n64, i_hv, ch_qk, ch_v, offs_k, mask_k, mask_v, bias, A_log_h,
                      lower_bound, T, H, HV, K, V, SAFE_GATE)
     if UNROLL_STEPS:
         for t in tl.static_range(T):
@@ -230,47 +216,31 @@ def _tree_verify_kernel(
         # t computes (one more tile in registers: 128 against 80 at K = V = 128).
         PREFETCH: tl.constexpr = PREFETCH_PARENT and not RING
         start = S
-        if WALK:
-            # each with a value of its own: a name assigned another's value before the loop was not carried
-            x = first
-            x_prev = first - 1
-            x_next = tl.load(walk + tl.minimum(1, T - 1))
         for t in range(T):
             cur = nxt
-            # node x at step t, x_prev and x_next those of steps t - 1 and t + 1
-            if WALK:
-                x_after = tl.load(walk + tl.minimum(t + 2, T - 1))
-            else:
-                x = t
-                x_prev = t - 1
-                x_next = tl.minimum(t + 1, T - 1)
             if t > 0:
                 if PREFETCH:
-                    if tree_parent(par, x, BLOCK_T) != x_prev:
+                    if tree_parent(par, t, BLOCK_T) != t - 1:
                         S = start
                 else:
                     S = _node_start(S, t, par, s_ptrs, state_h, snap_h, tile, mask_s, s_snap_t, x_q, x_k, x_v, a, b,
                                     n64, i_hv, ch_qk, ch_v, offs_k, mask_k, mask_v, bias, A_log_h, lower_bound, T, H,
                                     HV, K, V, SAFE_GATE, BLOCK_T, RING)
             if PREFETCH:
-                p_next = tree_parent(par, x_next, BLOCK_T)
-                if (t + 1 < T) & (p_next != x):
+                p_next = tree_parent(par, tl.minimum(t + 1, T - 1), BLOCK_T)
+                if (t + 1 < T) & (p_next != t):
                     if p_next < 0:
                         start = tl.load(state_h + tile, mask=mask_s, other=0.0).to(tl.float32)
                     else:
                         start = tl.load(snap_h + p_next * s_snap_t + tile, mask=mask_s, other=0.0).to(tl.float32)
-            nxt = _load_step(x_q, x_k, x_v, a, b, x_next, n64, i_hv, ch_qk, ch_v, offs_k, mask_k, mask_v, bias,
-                             A_log_h, lower_bound, T, H, HV, K, V, SAFE_GATE)
-            S = _node_step(S, cur, x, live, slot, n64, i_h, i_hv, i_v, offs_k, offs_v, mask_v, mask_s, mask_v_live,
+            nxt = _load_step(x_q, x_k, x_v, a, b, tl.minimum(t + 1, T - 1), n64, i_hv, ch_qk, ch_v, offs_k, mask_k,
+                             mask_v, bias, A_log_h, lower_bound, T, H, HV, K, V, SAFE_GATE)
+            S = _node_step(S, cur, t, live, slot, n64, i_h, i_hv, i_v, offs_k, offs_v, mask_v, mask_s, mask_v_live,
                            mask_k_head, mask_k_key_head, tile, snap_h, s_snap_t, out, snapshots, ring_k, ring_v,
                            ring_g, ring_beta, s_rk_slot, s_rv_slot, s_rg_slot, s_rb_slot, ring_len, scale, T, HV,
                            K, V, RING)
             if not RING:
-                tl.debug_barrier()  # node x's snapshot visible to every thread before a later load of it
-            if WALK:
-                x_prev = x
-                x = x_next
-                x_next = x_after
+                tl.debug_barrier()  # node t's snapshot visible to every thread before a later load of it
 
 
 _tree_verify = CachedKernel(_tree_verify_kernel)
@@ -331,12 +301,9 @@ def tree_verify_triton(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scrat
                     launch_dependents=norm, pdl=pdl, parents=parents, config=cfg.ring)
     else:
         block_v, num_warps = cfg.block_v, cfg.num_warps
-        walks = cfg.depth_first and cfg.prefetch_parent and not ring and not cfg.unroll_steps
-        # the depth-first walk of each request's nodes, written by its programs (the same values)
-        walk_order = torch.empty((N, next_power_of_2(T)), dtype=torch.int32, device=q.device) if walks else parents
         _tree_verify(
             (cdiv(V, block_v), HV, N),
-            (q, k, v, a, b, A_log, dt_bias, state, slot_indices, rows_in, parents, walk_order, raw_out,
+            (q, k, v, a, b, A_log, dt_bias, state, slot_indices, rows_in, parents, raw_out,
              snapshots if not ring else dummy, ring_k, ring_v, ring_g, ring_beta, errors.counters(q.device),
              state.stride(0), *((0, 0) if ring else (snapshots.stride(0), snapshots.stride(1))),
              *((ring_k.stride(0), ring_v.stride(0), ring_g.stride(0), ring_beta.stride(0), ring_k.shape[2]) if ring
@@ -345,8 +312,7 @@ def tree_verify_triton(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scrat
             dict(T=T, H=H, HV=HV, K=K, V=V, BLOCK_K=next_power_of_2(K), BLOCK_V=block_v,
                  BLOCK_T=next_power_of_2(T), SAFE_GATE=lower_bound is not None, RING=ring, WAIT_FOR_TOKENS=conv and pdl,
                  LAUNCH_DEPENDENTS=norm and pdl, ERR_INDEX=errors.INDEX["tree_verify"],
-                 UNROLL_STEPS=bool(cfg.unroll_steps), PREFETCH_PARENT=bool(cfg.prefetch_parent),
-                 DEPTH_FIRST=bool(cfg.depth_first)),
+                 UNROLL_STEPS=bool(cfg.unroll_steps), PREFETCH_PARENT=bool(cfg.prefetch_parent)),
             num_warps=num_warps, num_stages=1, launch_pdl=conv and pdl)
     if norm:  # padding rows stay zero: their raw output is zero, and so is its norm
         gated_rmsnorm_after(raw_out, norm_gate, norm_weight, out, eps=norm_eps, wait_for_x=pdl)
