@@ -152,6 +152,18 @@ def path_tensors(parents, accepted):
     return paths.cuda(), lens.cuda()
 
 
+def verified_pair(N, T, conv, shape, seed):
+    """The same trees verified in snapshot and in ring mode, a random accepted node a request,
+    and its root-to-node paths."""
+    snap = make_layer(N, T, conv=conv, mode="snapshot", shape=shape, seed=seed)
+    ring = make_layer(N, T, conv=conv, mode="ring", shape=shape, seed=seed)
+    tree_call(snap)()
+    tree_call(ring)()
+    accepted = torch.randint(0, T, (N,), device="cuda", dtype=torch.int32)
+    paths, lens = path_tensors(snap["parents"], accepted)
+    return snap, ring, accepted, paths, lens
+
+
 def correctness(results):
     """Against float64; chain-shaped tree == chain verify bitwise; ring mode == snapshot mode
     (bitwise from the recurrence, up to rounding from the chunk form); a ring path commit ==
@@ -183,12 +195,7 @@ def correctness(results):
         results["checks"].append({"case": f"chain-tree-bitwise-mtp-verify-N{N}-T{T}-conv{int(conv)}-norm{int(norm)}",
                                   "ok": same})
     for N, T, conv, shape in ((8, 8, True, "top2"), (64, 16, False, "random"), (16, 6, True, "random")):
-        snap = make_layer(N, T, conv=conv, mode="snapshot", shape=shape, seed=5)
-        ring = make_layer(N, T, conv=conv, mode="ring", shape=shape, seed=5)
-        tree_call(snap)()
-        tree_call(ring)()
-        accepted = torch.randint(0, T, (N,), device="cuda", dtype=torch.int32)
-        paths, lens = path_tensors(snap["parents"], accepted)
+        snap, ring, accepted, paths, lens = verified_pair(N, T, conv, shape, seed=5)
         s1, s2 = snap["state"].clone(), ring["state"].clone()
         kdakit.commit_snapshots(s1, snap["snapshots"], snap["slots"], snap["scratch_idx"], accepted)
         kdakit.commit_tree_ring(s2, *ring["rings"], ring["slots"], paths, lens)
@@ -237,12 +244,7 @@ def commit_config(group):
 def check_commit_configs(results, groups):
     """Every swept path-commit config against the snapshot of the accepted node, bitwise."""
     for N, T, shape in ((8, 8, "top2"), (64, 16, "random"), (16, 6, "top2")):
-        snap = make_layer(N, T, conv=False, mode="snapshot", shape=shape, seed=7)
-        ring = make_layer(N, T, conv=False, mode="ring", shape=shape, seed=7)
-        tree_call(snap)()
-        tree_call(ring)()
-        accepted = torch.randint(0, T, (N,), device="cuda", dtype=torch.int32)
-        paths, lens = path_tensors(snap["parents"], accepted)
+        snap, ring, accepted, paths, lens = verified_pair(N, T, False, shape, seed=7)
         want = snap["state"].clone()
         kdakit.commit_snapshots(want, snap["snapshots"], snap["slots"], snap["scratch_idx"], accepted)
         for group in groups:
