@@ -75,8 +75,8 @@ def commit_with(group=None, verify_group=None):
     """A SWEEP_CONFIGS["commit"] picker: the ring commit's config with ``group``'s
     CommitRingConfig fields; ``verify_group``: on the verify's tile under that VerifyConfig text
     (a ring commit equals a snapshot commit bitwise on the verify's tile)."""
-    def pick(v_dim, k_dim):
-        config = commit_ring_config(v_dim, k_dim)
+    def pick(v_dim, k_dim, ring_len=1):
+        config = commit_ring_config(v_dim, k_dim, ring_len)
         if verify_group:
             tile = harness.parse_configs(verify_group, VerifyConfig, base=mtp_verify_config(1, 2, HV, v_dim, k_dim,
                                                                                              LOWER_BOUND))[0]
@@ -134,7 +134,7 @@ def commit_ring(state, rings, slots, accept):
     if pick is None:
         return kdakit.commit_ring(state, *rings, slots, accept)
     return commit_ring_triton(state, *rings, slots, accept, track_slots=None, track_steps=None, use_qk_l2norm=True,
-                              null_block_id=-1, config=pick(*state.shape[-2:]))
+                              null_block_id=-1, config=pick(*state.shape[-2:], ring_len=rings[0].shape[-2]))
 
 
 def rel(x, y):

@@ -343,7 +343,7 @@ def main():
                          "one, harness.parse_configs syntax, e.g. 'unroll_steps=false;prefetch_parent=true'")
     ap.add_argument("--commit-configs", default=None,
                     help="TreeCommitConfig variants of the path commit to time besides the picked one, e.g. "
-                         "'block_v=16;block_v=32,num_warps=2'")
+                         "'block_v=8;block_v=32' (one warp: more warps are not the snapshot's bits)")
     ap.add_argument("--name", default="tree_verify_h200")
     args = ap.parse_args()
     if not torch.cuda.is_available():

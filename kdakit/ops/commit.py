@@ -182,10 +182,12 @@ class CommitRingConfig:
 
 
 # Rings of at least this many steps commit 8 KB of state rows a program, shorter ones the
-# verify's 4 KB (results/mtp_commit_rows_h200.json, N = 64 / 256: 7 steps 88.1 / 319.8 us
-# against 95.6 / 347.2 with 4 KB; 3 steps 74.2 / 280.0 against 73.6 / 279.0; 1 step 72.9 /
-# 277.3 against 71.1 / 269.7). Either tile is bitwise the verify's: one warp reduces each
-# row over K in the same order whatever the rows it holds.
+# verify's 4 KB (results/mtp_commit_rows_h200.json, N = 64 / 256, rings of 1 + num_spec steps,
+# accept lengths drawn from 1 to the ring's length: 8-step rings 88.1 / 319.8 us against 95.6 / 347.2 with 4 KB;
+# 4-step rings 74.2 / 280.0 against 73.6 / 279.0; 2-step rings 72.9 / 277.3 against 71.1 /
+# 269.7). The ring's length, not the steps a request commits, picks it: a long ring that
+# commits one step takes the wide tile (2-3% slower at 2-step rings). Either tile is bitwise the
+# verify's: one warp reduces each row over K in the same order whatever the rows it holds.
 WIDE_COMMIT_FROM_STEPS = 8
 
 

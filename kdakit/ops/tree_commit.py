@@ -121,8 +121,8 @@ class TreeCommitConfig:
 def tree_commit_config(V: int, K: int) -> TreeCommitConfig:
     """The path commit's pinned config: 8 KB of float32 state rows on one warp, twice the
     verify's tile (16 rows at K = 128; results/tree_verify_hints_h200.json and
-    tree_verify_depth_first_h200.json, N = 64 / 256, 8 nodes: 75.6-76.0 / 283-286 us against
-    78.6-81.5 / 301-324 with the verify's 8 rows; 32 rows were slower, 4 slower still)."""
+    tree_verify_depth_first_h200.json, N = 64 / 256, 8 nodes: 75.0-76.0 / 283.1-285.5 us against
+    78.6-81.5 / 300.6-323.5 with the verify's 8 rows; 32 rows were slower, 4 slower still)."""
     block_v, num_warps = recurrence_tile(V, K, 2 * RECURRENCE_TILE_BYTES)
     return TreeCommitConfig(block_v=block_v, num_warps=num_warps)
 
