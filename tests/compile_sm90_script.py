@@ -166,6 +166,12 @@ chunk_prefill_triton(*xp, state, torch.tensor([1, 2], dtype=torch.int32), torch.
                      config=ChunkConfig(split_prep=True, split_rest=True,  # five prep launches
                                         factor_dtype="bfloat16"))
 assert COMPILED_FOR_TARGET[-6:] == ["_chunk_prep_kernel"] * 5 + ["_chunk_state_kernel"], COMPILED_FOR_TARGET[-6:]
+for chunk in (32, 64):  # the inverse by doubling (one level, two)
+    chunk_prefill_triton(*xp, state, torch.tensor([1, 2], dtype=torch.int32), torch.empty(1, Tp, HV, V, dtype=bf),
+                         cu_seqlens=cu_p, scale=0.1, use_qk_l2norm=True, A_log=A_log, dt_bias=dt_bias,
+                         lower_bound=None, beta_mode=1, has_initial_state=None, chunk_states=None,
+                         chunk_state_indices=None, config=ChunkConfig(chunk=chunk, split_prep=True, split_rest=True,
+                                                                      qk_from_input=True, inverse="doubling"))
 for bv, stages in ((32, 2), (64, 2), (64, 1)):  # bf16 chain products (native bf16 dots), as picked for bf16 inputs
     chunk_prefill_triton(*(x.to(bf) for x in xp), state, torch.tensor([1, 2], dtype=torch.int32),
                          torch.empty(1, Tp, HV, V, dtype=bf), cu_seqlens=cu_p, scale=0.1, use_qk_l2norm=True,

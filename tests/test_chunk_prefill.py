@@ -549,7 +549,8 @@ def test_bf16_chain_products_refuse_16_row_tiles_and_configs_check_their_strings
         run_triton(x, A_log, dt_bias, cu, state, torch.tensor([1], dtype=torch.int32), out,
                    ChunkConfig(chunk=32, block_v=32, factor_dtype="bfloat16", chain_dot_dtype="bfloat16"))
     assert torch.equal(state, before) and (out == POISON).all()
-    for field, bad in (("factor_dtype", "bf16"), ("chain_dot_dtype", "bf16"), ("dot_precision", "fp32")):
+    for field, bad in (("factor_dtype", "bf16"), ("chain_dot_dtype", "bf16"), ("dot_precision", "fp32"),
+                       ("inverse", "newton")):
         with pytest.raises(ValueError, match=f"ChunkConfig.{field} must be one of"):
             ChunkConfig(**{field: bad})
 
@@ -572,3 +573,39 @@ def test_picked_config_follows_the_activations():
 def test_zz_print_errors():
     for name, err in ERRORS.items():
         print(f"{name}: rel err {err:.2e}")
+
+
+@pytest.mark.parametrize("chunk", [32, 64], ids=["chunk32-one-level", "chunk64-two-levels"])
+@pytest.mark.parametrize("gate", ["softplus", "safe"])
+def test_inverse_by_doubling_against_float64(chunk, gate, monkeypatch):
+    """``ChunkConfig.inverse="doubling"``: the inverse below the diagonal blocks by doubling
+    (16 -> 32 -> 64) gives the float64 results, and those of the block-row substitution up to
+    float32 rounding; sequences that end inside a chunk, the pool's other slots untouched."""
+    from kdakit.ops import chunk_prefill as module
+    prep, flags = module._chunk_prep, []
+
+    def noting_prep(grid, args, constexprs, **kw):
+        flags.append(constexprs["INVERSE_BY_DOUBLING"])
+        return prep(grid, args, constexprs, **kw)
+    monkeypatch.setattr(module, "_chunk_prep", noting_prep)
+    H, HV, K, V = 1, 2, 16, 16
+    lower_bound = None if gate == "softplus" else -3.0
+    x, A_log, dt_bias, cu, state, T = make_case(H, HV, K, V, [150, 37, 1], seed=31)
+    idx = torch.tensor([4, 1, 2], dtype=torch.int32)
+    before = state.clone()
+    ref_out, ref_pool, _ = ref64(x, A_log, dt_bias, cu, state, idx, lower_bound=lower_bound)
+    got = {}
+    for inverse in ("substitution", "doubling"):
+        pool, out = state.clone(), torch.full((1, T, HV, V), POISON)
+        run_triton(x, A_log, dt_bias, cu, pool, idx, out,
+                   ChunkConfig(chunk=chunk, block_v=16, dot_precision="ieee", inverse=inverse),
+                   lower_bound=lower_bound)
+        got[inverse] = (out, pool)
+    assert flags == [False, True], flags  # one launch each (the prep unsplit), the flag as configured
+    out, pool = got["doubling"]
+    assert_close(out, ref_out, 1e-5, "out")
+    for s in idx.tolist():
+        assert_close(pool[s], ref_pool[s], 1e-5, f"slot {s}")
+    assert_close(out, got["substitution"][0], 1e-6, "out vs substitution")
+    untouched = [s for s in range(state.shape[0]) if s not in idx.tolist()]
+    assert torch.equal(pool[untouched], before[untouched])

@@ -98,6 +98,7 @@ SAFE_SPREAD_MAX = 80.0  # safe gate: sub-blocks factored up to this spread (16 t
 BETA_AS_IS, BETA_SIGMOID, BETA_SIGMOID_X2 = 0, 1, 2  # β as given, sigmoid of a logit, 2·sigmoid (fla's allow_neg_eigval)
 _FACTOR_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _DOT_PRECISIONS = ("tf32", "tf32x3", "ieee")
+_INVERSES = ("substitution", "doubling")
 BF16_DOTS_MIN_BLOCK_V = 32  # bf16 chain products on 16-row V tiles wrote non-finite outputs on the H200
 
 
@@ -130,10 +131,13 @@ class ChunkConfig:
     chain_dot_dtype: str = "float32"  # the state kernel's products: "bfloat16" operands (the state and the
     #                                  factors rounded for the product; float32 accumulation and state),
     #                                  on V tiles of BF16_DOTS_MIN_BLOCK_V rows or more
+    inverse: str = "substitution"    # (I + A)^-1 below its 16 x 16 diagonal blocks: "substitution" (block
+    #                                  row by block row, 16-row products) or "doubling" (16 -> 32 -> 64:
+    #                                  one pair of products per level on 16- then 32-row blocks)
 
     def __post_init__(self):
         for name, allowed in (("factor_dtype", tuple(_FACTOR_DTYPES)), ("chain_dot_dtype", tuple(_FACTOR_DTYPES)),
-                              ("dot_precision", _DOT_PRECISIONS)):
+                              ("dot_precision", _DOT_PRECISIONS), ("inverse", _INVERSES)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"ChunkConfig.{name} must be one of {', '.join(map(repr, allowed))} "
                                  f"(got {getattr(self, name)!r}).")
@@ -197,6 +201,7 @@ def _chunk_prep_kernel(
     USE_QK_L2NORM: tl.constexpr, GATE_IN_KERNEL: tl.constexpr, SAFE_GATE: tl.constexpr,
     BETA_MODE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PHASES: tl.constexpr, SUB_BLOCK_PROGRAMS: tl.constexpr, QK_FROM_INPUT: tl.constexpr,
+    INVERSE_BY_DOUBLING: tl.constexpr,
 ):
     # Every phase reads what it needs back from the (L2-resident) workspace in 16-row or
     # SLICE-column pieces, so that no [C, K] tile outlives its phase: whole-chunk tiles kept
@@ -370,7 +375,10 @@ def _chunk_prep_kernel(
 
     if PHASES & 8:
         # ---- T = (I + A)^-1 in place of A ----
-        _invert_unit_lower(wa, C, NB, DOT_PRECISION)
+        if INVERSE_BY_DOUBLING:
+            _invert_unit_lower_by_doubling(wa, C, NB, DOT_PRECISION)
+        else:
+            _invert_unit_lower(wa, C, NB, DOT_PRECISION)
         tl.debug_barrier()
 
     if PHASES & 16:
@@ -440,12 +448,11 @@ def _beta_values(beta, tok, mask, stride_b_t, stride_b_h, i_hv, BETA_MODE: tl.co
 
 
 @triton.jit
-def _invert_unit_lower(wa, C: tl.constexpr, NB: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """``(I + A)^-1`` for the strictly lower-triangular ``A [C, C]`` at
-    ``wa`` (row stride ``C``), written over it (blocks above the diagonal are left as they are)."""
+def _invert_diagonal_blocks(wa, C: tl.constexpr, NB: tl.constexpr):
+    """The [NB, 16, 16] diagonal blocks of ``(I + A)^-1`` written over ``A``'s, by forward
+    substitution, every block's row r at once (each block whole: zeros above its diagonal)."""
     offs_s = tl.arange(0, 16)
     offs_b = tl.arange(0, NB)
-    # Diagonal blocks [NB, 16, 16] by forward substitution, every block's row r at once.
     p_d = (offs_b[:, None, None] * 16 + offs_s[None, :, None]) * C \
         + offs_b[:, None, None] * 16 + offs_s[None, None, :]
     A_d = tl.load(wa + p_d)
@@ -459,6 +466,49 @@ def _invert_unit_lower(wa, C: tl.constexpr, NB: tl.constexpr, DOT_PRECISION: tl.
     tl.debug_barrier()
     tl.store(wa + p_d, inv)
     tl.debug_barrier()
+
+
+@triton.jit
+def _invert_unit_lower_by_doubling(wa, C: tl.constexpr, NB: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """``_invert_unit_lower`` by doubling: from the 16 x 16 diagonal blocks, each level inverts
+    the diagonal blocks twice as large, whose lower-left block is ``-T_bb A_ba T_aa`` (T_aa,
+    T_bb: the inverses of the level below, A_ba: ``A``'s block under T_aa). Two levels at
+    C = 64, each one pair of products per block (16- then 32-row), where the block-row
+    substitution takes six dependent steps of 16-row products."""
+    _invert_diagonal_blocks(wa, C, NB)
+    if C > 16:
+        _double_diagonal_blocks(wa, C, 16, DOT_PRECISION)
+    if C > 32:
+        _double_diagonal_blocks(wa, C, 32, DOT_PRECISION)
+
+
+@triton.jit
+def _double_diagonal_blocks(wa, C: tl.constexpr, SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """The diagonal blocks of 2 SIZE rows from those of SIZE rows (above): each pair's lower-left
+    block ``-T_bb A_ba T_aa`` over ``A_ba``. Above the 16 x 16 diagonal blocks the workspace is
+    not written: T_aa and T_bb load masked to the blocks at or below it."""
+    offs = tl.arange(0, SIZE)
+    blk = offs // 16
+    at_or_below = blk[:, None] >= blk[None, :]
+    for pair in tl.static_range(C // (2 * SIZE)):
+        a = 2 * pair * SIZE
+        b = a + SIZE
+        t_aa = tl.load(wa + (a + offs)[:, None] * C + a + offs[None, :], mask=at_or_below, other=0.0)
+        t_bb = tl.load(wa + (b + offs)[:, None] * C + b + offs[None, :], mask=at_or_below, other=0.0)
+        p_ba = (b + offs)[:, None] * C + a + offs[None, :]
+        t_ba = -tl.dot(t_bb, tl.dot(tl.load(wa + p_ba), t_aa, input_precision=DOT_PRECISION),
+                       input_precision=DOT_PRECISION)
+        tl.debug_barrier()  # every thread has read A_ba before any overwrites it
+        tl.store(wa + p_ba, t_ba)
+    tl.debug_barrier()
+
+
+@triton.jit
+def _invert_unit_lower(wa, C: tl.constexpr, NB: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """``(I + A)^-1`` for the strictly lower-triangular ``A [C, C]`` at
+    ``wa`` (row stride ``C``), written over it (blocks above the diagonal are left as they are)."""
+    offs_s = tl.arange(0, 16)
+    _invert_diagonal_blocks(wa, C, NB)
     # Below the diagonal, row block by row block, j ascending: T_ij = -T_ii Σ_{j<=m<i} A_im T_mj.
     # T_ij may overwrite A_ij: the later j of row block i read A_im only for m > j.
     for i in tl.static_range(1, NB):
@@ -738,7 +788,7 @@ def chunk_prefill_triton(q, k, v, g, beta, state, slot_indices, out, *, cu_seqle
     prep_constexprs = dict(H=H, HV=HV, K=K, V=V, BLOCK_K=BK, BLOCK_V=BVW, C=C, SLICE=min(cfg.slice_k, BK, BVW),
                            USE_QK_L2NORM=bool(use_qk_l2norm), GATE_IN_KERNEL=gate, SAFE_GATE=lower_bound is not None,
                            BETA_MODE=int(beta_mode), DOT_PRECISION=cfg.dot_precision,
-                           QK_FROM_INPUT=bool(cfg.qk_from_input))
+                           QK_FROM_INPUT=bool(cfg.qk_from_input), INVERSE_BY_DOUBLING=cfg.inverse == "doubling")
     if cfg.split_prep:
         rest = [4, 8, 16] if cfg.split_rest else [4 | 8 | 16]
         launches = [((max_chunks, HV), 1, False), ((max_chunks, HV, C // SUB), 2, True),
