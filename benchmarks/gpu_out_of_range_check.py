@@ -5,8 +5,8 @@
 For each case: the call with one index past its buffer, eagerly and replayed three times
 from a CUDA graph captured on a stream that had run it once (its error counters kept): the
 memory around every view stays bitwise unchanged, the output and buffers equal the same
-Triton call's with that row as padding, and ``kdakit.take_errors()`` reports one row per call. Exits 1 when
-a check fails. Needs CUDA.
+Triton call's with that row as padding, and ``kdakit.take_errors()`` reports one row per call.
+Exits 1 when a check fails. Needs CUDA.
 """
 from __future__ import annotations
 

@@ -64,11 +64,12 @@ The kernels:
 Matrix products use ``tl.dot`` with ``input_precision="tf32"`` by default (one TF32 pass on
 tensor cores: more accurate than fla's bf16 products on the same inputs, and 2.4x faster
 than three passes); ``ChunkConfig.dot_precision`` takes ``"tf32x3"`` (three-pass TF32,
-float32-level accuracy) or ``"ieee"`` (exact float32 FMA) too. With bf16 activations the picked
-config stores the chain's factors in bf16 (``ChunkConfig.factor_dtype``) and, from 32-row V tiles,
-gives the chain's products bf16 operands (``chain_dot_dtype``; float32 accumulation and state), as
-fla does: half the bytes the chain streams and no register spills in its kernel. The in-sub-block pair sums, the
-cumulative sums and the 16 x 16 forward substitutions are float32 element-wise arithmetic.
+float32-level accuracy) or ``"ieee"`` (exact float32 FMA) too. With bf16 activations the
+picked config stores the chain's factors in bf16 (``ChunkConfig.factor_dtype``) and, from
+32-row V tiles, gives the chain's products bf16 operands (``chain_dot_dtype``; float32
+accumulation and state), as fla does: half the bytes the chain streams and no register
+spills in its kernel. The in-sub-block pair sums, the cumulative sums and the 16 x 16
+forward substitutions are float32 element-wise arithmetic.
 
 The chunk plan (which global chunk belongs to which sequence) is built on the device
 from ``cu_seqlens`` by a few torch ops (no ``.item()``, no host sync), for
@@ -95,7 +96,8 @@ CHUNK_SIZE = 64  # tokens per chunk on the GPU (prefix-cache boundaries come eve
 SUB = 16  # sub-block of a chunk: the tensor-core tile and the unit of exact in-block decays
 SAFE_SPREAD_MAX = 80.0  # safe gate: sub-blocks factored up to this spread (16 tokens at the -5 bound)
 
-BETA_AS_IS, BETA_SIGMOID, BETA_SIGMOID_X2 = 0, 1, 2  # β as given, sigmoid of a logit, 2·sigmoid (fla's allow_neg_eigval)
+# β as given, sigmoid of a logit, 2·sigmoid (fla's allow_neg_eigval)
+BETA_AS_IS, BETA_SIGMOID, BETA_SIGMOID_X2 = 0, 1, 2
 _FACTOR_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _DOT_PRECISIONS = ("tf32", "tf32x3", "ieee")
 _INVERSES = ("substitution", "doubling")
@@ -530,9 +532,10 @@ def _invert_unit_lower(wa, C: tl.constexpr, NB: tl.constexpr, DOT_PRECISION: tl.
 def _chain_dot(a, b, acc, BF16_DOTS: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """``acc + a @ b`` (``a @ b`` when ``acc`` is None) as the chain takes it: bf16 operands
     with ``BF16_DOTS`` (float32 accumulation; a float32 operand, the state's included, is
-    rounded for the product alone), else float32 operands at ``DOT_PRECISION``. ``BF16_DOTS`` 2: the same products with the
-    rounded operands widened back to float32 and multiplied exactly (the interpreter's bf16
-    dot reads bf16 bits wrongly; a bf16 x bf16 product is exact in float32)."""
+    rounded for the product alone), else float32 operands at ``DOT_PRECISION``. ``BF16_DOTS``
+    2: the same products with the rounded operands widened back to float32 and multiplied
+    exactly (the interpreter's bf16 dot reads bf16 bits wrongly; a bf16 x bf16 product is
+    exact in float32)."""
     if BF16_DOTS == 1:
         return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
     if BF16_DOTS == 2:

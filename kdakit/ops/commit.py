@@ -181,20 +181,22 @@ class CommitRingConfig:
     steps_ahead: int = 2
 
 
-# Rings of at least this many steps commit 8 KB of state rows a program, shorter ones the
-# verify's 4 KB (results/mtp_commit_rows_h200.json, N = 64 / 256, rings of 1 + num_spec steps,
-# accept lengths drawn from 1 to the ring's length: 8-step rings 88.1 / 319.8 us against 95.6 / 347.2 with 4 KB;
-# 4-step rings 74.2 / 280.0 against 73.6 / 279.0; 2-step rings 72.9 / 277.3 against 71.1 /
-# 269.7). The ring's length, not the steps a request commits, picks it: a long ring that
-# commits one step takes the wide tile (2-3% slower at 2-step rings). Either tile is bitwise the
-# verify's: one warp reduces each row over K in the same order whatever the rows it holds.
+# Rings of at least this many steps commit WIDE_COMMIT_TILE_BYTES of state rows a program,
+# shorter ones the verify's 4 KB (results/mtp_commit_rows_h200.json, N = 64 / 256, rings of
+# 1 + num_spec steps, accept lengths drawn from 1 to the ring's length: 8-step rings 88.1 /
+# 319.8 us against 95.6 / 347.2 with 4 KB; 4-step rings 74.2 / 280.0 against 73.6 / 279.0;
+# 2-step rings 72.9 / 277.3 against 71.1 / 269.7). The ring's length, not the steps a request
+# commits, picks it: a long ring that commits one step takes the wide tile (2-3% slower at
+# 2-step rings). Either tile is bitwise the verify's: one warp reduces each row over K in the
+# same order whatever the rows it holds.
 WIDE_COMMIT_FROM_STEPS = 8
+WIDE_COMMIT_TILE_BYTES = 2 * RECURRENCE_TILE_BYTES  # also the path commit's (tree_commit.py)
 
 
 def commit_ring_config(V: int, K: int, ring_len: int = 1) -> CommitRingConfig:
     """The ring commit's pinned config for rings of ``ring_len`` steps."""
     wide = ring_len >= WIDE_COMMIT_FROM_STEPS
-    block_v, num_warps = recurrence_tile(V, K, 2 * RECURRENCE_TILE_BYTES if wide else RECURRENCE_TILE_BYTES)
+    block_v, num_warps = recurrence_tile(V, K, WIDE_COMMIT_TILE_BYTES if wide else RECURRENCE_TILE_BYTES)
     return CommitRingConfig(block_v=block_v, num_warps=num_warps)
 
 

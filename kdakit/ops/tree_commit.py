@@ -18,9 +18,9 @@ import triton.language as tl
 
 from .. import contracts, errors, reference
 from ..backends import register, select
-from .commit import _load_ring_step, check_commit_ring
+from .commit import WIDE_COMMIT_TILE_BYTES, _load_ring_step, check_commit_ring
 from .launch import CachedKernel, cdiv, next_power_of_2
-from .mtp_verify import RECURRENCE_TILE_BYTES, recurrence_tile
+from .mtp_verify import recurrence_tile
 from .triton_math import count_bad_row, delta_rule_update, l2_normalize, mask_if
 
 
@@ -115,7 +115,6 @@ class TreeCommitConfig:
     the benchmark checks that on the GPU for every config it times."""
     block_v: int
     num_warps: int = 1
-    max_registers: int | None = None  # a cap per thread (more programs an SM), None: the compiler's
 
 
 def tree_commit_config(V: int, K: int) -> TreeCommitConfig:
@@ -123,7 +122,7 @@ def tree_commit_config(V: int, K: int) -> TreeCommitConfig:
     verify's tile (16 rows at K = 128; results/tree_verify_hints_h200.json and
     tree_verify_depth_first_h200.json, N = 64 / 256, 8 nodes: 75.0-76.0 / 283.1-285.5 us against
     78.6-81.5 / 300.6-323.5 with the verify's 8 rows; 32 rows were slower, 4 slower still)."""
-    block_v, num_warps = recurrence_tile(V, K, 2 * RECURRENCE_TILE_BYTES)
+    block_v, num_warps = recurrence_tile(V, K, WIDE_COMMIT_TILE_BYTES)
     return TreeCommitConfig(block_v=block_v, num_warps=num_warps)
 
 
@@ -146,8 +145,7 @@ def commit_tree_ring_triton(state, ring_k, ring_v, ring_g, ring_beta, slot_indic
          paths.shape[1], state.shape[0], int(null_block_id)),
         dict(H=H, HV=HV, K=K, V=V, BLOCK_K=next_power_of_2(K), BLOCK_V=block_v,
              BLOCK_P=max(2, next_power_of_2(paths.shape[1])), USE_QK_L2NORM=bool(use_qk_l2norm),
-             ERR_INDEX=errors.INDEX["commit_tree_ring"]), num_warps=num_warps,
-        num_stages=1, max_registers=cfg.max_registers)
+             ERR_INDEX=errors.INDEX["commit_tree_ring"]), num_warps=num_warps, num_stages=1)
 
 
 @register("commit_tree_ring", "reference")
