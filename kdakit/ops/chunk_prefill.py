@@ -89,6 +89,7 @@ import triton.language as tl
 
 from .. import errors, reference
 from ..backends import register, select
+from .chunk_pairs import beta_values, block_spread, chunk_pairs, chunk_tokens, num_pairs, unit_rows
 from .launch import CachedKernel, cdiv, interpreting, next_power_of_2
 from .triton_math import count_bad_row, kda_log_decay
 
@@ -101,6 +102,7 @@ BETA_AS_IS, BETA_SIGMOID, BETA_SIGMOID_X2 = 0, 1, 2
 _FACTOR_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _DOT_PRECISIONS = ("tf32", "tf32x3", "ieee")
 _INVERSES = ("substitution", "doubling")
+_PAIRS = ("column_blocks", "pair_programs")
 BF16_DOTS_MIN_BLOCK_V = 32  # bf16 chain products on 16-row V tiles wrote non-finite outputs on the H200
 
 
@@ -136,10 +138,16 @@ class ChunkConfig:
     inverse: str = "substitution"    # (I + A)^-1 below its 16 x 16 diagonal blocks: "substitution" (block
     #                                  row by block row, 16-row products) or "doubling" (16 -> 32 -> 64:
     #                                  one pair of products per level on 16- then 32-row blocks)
+    pairs: str = "column_blocks"     # A and P: "column_blocks" (a [C, K] x [K, 16] product per column block
+    #                                  in the chunk's program, steep sub-blocks in a launch of their own) or
+    #                                  "pair_programs" (chunk_pairs.py: a program per 16 x 16 block at or
+    #                                  below the diagonal, which also inverts the diagonal blocks)
+    pairs_warps: int = 1             # warps of a pair program
+    pairs_slice_k: int = 32          # columns of K a pair program's [16, slice] pieces span
 
     def __post_init__(self):
         for name, allowed in (("factor_dtype", tuple(_FACTOR_DTYPES)), ("chain_dot_dtype", tuple(_FACTOR_DTYPES)),
-                              ("dot_precision", _DOT_PRECISIONS), ("inverse", _INVERSES)):
+                              ("dot_precision", _DOT_PRECISIONS), ("inverse", _INVERSES), ("pairs", _PAIRS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"ChunkConfig.{name} must be one of {', '.join(map(repr, allowed))} "
                                  f"(got {getattr(self, name)!r}).")
@@ -203,7 +211,7 @@ def _chunk_prep_kernel(
     USE_QK_L2NORM: tl.constexpr, GATE_IN_KERNEL: tl.constexpr, SAFE_GATE: tl.constexpr,
     BETA_MODE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PHASES: tl.constexpr, SUB_BLOCK_PROGRAMS: tl.constexpr, QK_FROM_INPUT: tl.constexpr,
-    INVERSE_BY_DOUBLING: tl.constexpr,
+    INVERSE_BY_DOUBLING: tl.constexpr, DIAGONAL_INVERTED: tl.constexpr,
 ):
     # Every phase reads what it needs back from the (L2-resident) workspace in 16-row or
     # SLICE-column pieces, so that no [C, K] tile outlives its phase: whole-chunk tiles kept
@@ -213,23 +221,14 @@ def _chunk_prep_kernel(
     # each kernel holds fewer registers, so more programs share an SM. SUB_BLOCK_PROGRAMS:
     # one program per sub-block (program_id 2) instead of a loop over them. QK_FROM_INPUT:
     # the first phase keeps each row's norms of k and q (ws_n), and the later phases read
-    # q and k from the inputs and divide as the first phase would have (_unit_rows).
+    # q and k from the inputs and divide as the first phase would have (unit_rows).
     # f_q, f_k, f_w (and ws_u): where the chain's factors go, in their dtype; float32 ones
     # are ws_q, ws_k, ws_w themselves, written over q̂, k̂ and Γ.
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     c64 = i_c.to(tl.int64)
     NB: tl.constexpr = C // 16
-    # Which sequence this chunk belongs to and its tokens (chunks past the plan's end: none).
-    seq = tl.load(chunk_seq + i_c).to(tl.int64)
-    valid = seq < num_seqs
-    seq_c = tl.minimum(seq, num_seqs - 1)
-    # Offsets clamped into [0, T] (and eos >= bos), as the plan does: no token outside the
-    # inputs is read whatever cu_seqlens holds (full-check mode rejects such offsets).
-    bos = tl.minimum(tl.maximum(tl.load(cu_seqlens + seq_c).to(tl.int64), 0), T)
-    eos = tl.maximum(tl.minimum(tl.maximum(tl.load(cu_seqlens + seq_c + 1).to(tl.int64), 0), T), bos)
-    t0 = bos + (c64 - tl.load(chunk_first + seq_c).to(tl.int64)) * C
-    n_tok = tl.where(valid, tl.minimum(eos - t0, C), 0)
+    t0, n_tok = chunk_tokens(chunk_seq, chunk_first, cu_seqlens, i_c, num_seqs, T, C)  # none past the plan
 
     offs_c = tl.arange(0, C)
     offs_k = tl.arange(0, BLOCK_K)
@@ -310,16 +309,16 @@ def _chunk_prep_kernel(
             else:
                 run = i >= 0
             if run:
-                spread = _block_spread(ww, i, offs_k, BLOCK_K)
+                spread = block_spread(ww, i, offs_k, BLOCK_K)
                 if spread > diag_spread_max:
                     rows = i * 16 + offs_s
-                    beta_i = _beta_values(beta, t0 + rows, rows < n_tok, stride_b_t, stride_b_h, i_hv, BETA_MODE)
+                    beta_i = beta_values(beta, t0 + rows, rows < n_tok, stride_b_t, stride_b_h, i_hv, BETA_MODE)
                     for r in range(16):
                         a_col = tl.zeros([16], dtype=tl.float32)
                         p_col = tl.zeros([16], dtype=tl.float32)
                         for kk in tl.static_range(0, BLOCK_K, SLICE):
                             p_ik = rows[:, None] * BLOCK_K + kk + offs_n[None, :]
-                            if QK_FROM_INPUT:  # row i·16 + r alone, as _unit_rows would give it
+                            if QK_FROM_INPUT:  # row i·16 + r alone, as unit_rows would give it
                                 row_r = offs_n * 0 + i * 16 + r
                                 k_r = tl.load(k_h + (t0 + row_r) * stride_k_t + kk + offs_n,
                                               mask=(row_r < n_tok) & ((kk + offs_n) < K), other=0.0).to(tl.float32)
@@ -331,19 +330,19 @@ def _chunk_prep_kernel(
                             d = tl.where((offs_s >= r)[:, None], tl.load(ww + p_ik) - G_r[None, :], float("-inf"))
                             kr = k_r[None, :] * tl.exp(d)
                             if QK_FROM_INPUT:
-                                a_col += tl.sum(_unit_rows(k_h, wn, 0, 1.0, t0, n_tok, rows, kk + offs_n, stride_k_t,
+                                a_col += tl.sum(unit_rows(k_h, wn, 0, 1.0, t0, n_tok, rows, kk + offs_n, stride_k_t,
                                                            K, USE_QK_L2NORM) * kr, axis=1)
-                                p_col += tl.sum(_unit_rows(q_h, wn, 1, scale, t0, n_tok, rows, kk + offs_n,
+                                p_col += tl.sum(unit_rows(q_h, wn, 1, scale, t0, n_tok, rows, kk + offs_n,
                                                            stride_q_t, K, USE_QK_L2NORM) * kr, axis=1)
                             else:
                                 a_col += tl.sum(tl.load(wk + p_ik) * kr, axis=1)
                                 p_col += tl.sum(tl.load(wq + p_ik) * kr, axis=1)
                         tl.store(wa + rows * C + i * 16 + r, tl.where(offs_s > r, a_col * beta_i, 0.0))
                         tl.store(wp + rows * C + i * 16 + r, p_col)
-    b_beta = _beta_values(beta, tok, mask_c, stride_b_t, stride_b_h, i_hv, BETA_MODE)
+    b_beta = beta_values(beta, tok, mask_c, stride_b_t, stride_b_h, i_hv, BETA_MODE)
     if PHASES & 4:
         for j in range(NB):
-            factor = _block_spread(ww, j, offs_k, BLOCK_K) <= diag_spread_max
+            factor = block_spread(ww, j, offs_k, BLOCK_K) <= diag_spread_max
             if factor | (j < NB - 1):  # a steep last block has no rows below it
                 ref = tl.where(factor, j * 16 - 1, j * 16 + 15)
                 below = offs_c >= tl.where(factor, j * 16, j * 16 + 16)
@@ -355,13 +354,13 @@ def _chunk_prep_kernel(
                     left = tl.exp(tl.where(below[:, None], tl.load(ww + p_sl) - G_ref[None, :], float("-inf")))
                     p_jk = (j * 16 + offs_s)[:, None] * BLOCK_K + kk + offs_n[None, :]
                     if QK_FROM_INPUT:
-                        k_j = _unit_rows(k_h, wn, 0, 1.0, t0, n_tok, j * 16 + offs_s, kk + offs_n, stride_k_t, K,
+                        k_j = unit_rows(k_h, wn, 0, 1.0, t0, n_tok, j * 16 + offs_s, kk + offs_n, stride_k_t, K,
                                          USE_QK_L2NORM)
                         right = tl.trans(k_j * tl.exp(G_ref[None, :] - tl.load(ww + p_jk)))  # [SLICE, 16]
-                        k_c = _unit_rows(k_h, wn, 0, 1.0, t0, n_tok, offs_c, kk + offs_n, stride_k_t, K,
+                        k_c = unit_rows(k_h, wn, 0, 1.0, t0, n_tok, offs_c, kk + offs_n, stride_k_t, K,
                                          USE_QK_L2NORM)
                         acc_a = tl.dot(k_c * left, right, acc_a, input_precision=DOT_PRECISION)
-                        q_c = _unit_rows(q_h, wn, 1, scale, t0, n_tok, offs_c, kk + offs_n, stride_q_t, K,
+                        q_c = unit_rows(q_h, wn, 1, scale, t0, n_tok, offs_c, kk + offs_n, stride_q_t, K,
                                          USE_QK_L2NORM)
                         acc_p = tl.dot(q_c * left, right, acc_p, input_precision=DOT_PRECISION)
                     else:
@@ -377,10 +376,11 @@ def _chunk_prep_kernel(
 
     if PHASES & 8:
         # ---- T = (I + A)^-1 in place of A ----
+        # (the diagonal blocks already inverted by the pair programs with DIAGONAL_INVERTED)
         if INVERSE_BY_DOUBLING:
-            _invert_unit_lower_by_doubling(wa, C, NB, DOT_PRECISION)
+            _invert_unit_lower_by_doubling(wa, C, NB, DOT_PRECISION, DIAGONAL_INVERTED)
         else:
-            _invert_unit_lower(wa, C, NB, DOT_PRECISION)
+            _invert_unit_lower(wa, C, NB, DOT_PRECISION, DIAGONAL_INVERTED)
         tl.debug_barrier()
 
     if PHASES & 16:
@@ -394,8 +394,8 @@ def _chunk_prep_kernel(
             G = tl.load(ww + p_sl)
             G_last = tl.load(ww + (C - 1) * BLOCK_K + kk + offs_n)
             if QK_FROM_INPUT:
-                kn = _unit_rows(k_h, wn, 0, 1.0, t0, n_tok, offs_c, kk + offs_n, stride_k_t, K, USE_QK_L2NORM)
-                qn = _unit_rows(q_h, wn, 1, scale, t0, n_tok, offs_c, kk + offs_n, stride_q_t, K,
+                kn = unit_rows(k_h, wn, 0, 1.0, t0, n_tok, offs_c, kk + offs_n, stride_k_t, K, USE_QK_L2NORM)
+                qn = unit_rows(q_h, wn, 1, scale, t0, n_tok, offs_c, kk + offs_n, stride_q_t, K,
                                 USE_QK_L2NORM)
             else:
                 kn = tl.load(wk + p_sl)
@@ -414,39 +414,6 @@ def _chunk_prep_kernel(
             b_u = tl.dot(b_T, b_v * b_beta[:, None], input_precision=DOT_PRECISION)
             tl.store(ws_u + ws_row * BLOCK_V + offs_c[:, None] * BLOCK_V + offs_v[None, :],
                      b_u.to(ws_u.dtype.element_ty))
-
-
-@triton.jit
-def _unit_rows(x_head, norms, which, scale, t0, n_tok, rows, cols, stride_t, K: tl.constexpr,
-               NORMED: tl.constexpr):
-    """k̂ (``which`` 0, ``scale`` 1) or q̂ (``which`` 1, the q scale) of the chunk's ``rows`` and
-    ``cols`` from the input, as the workspace would hold them (``x / norm * scale``, the first
-    phase's arithmetic, ``x * scale`` without the L2 norm; zeros past the chunk's tokens and K)."""
-    m = (rows < n_tok)[:, None] & (cols < K)[None, :]
-    x = tl.load(x_head + (t0 + rows)[:, None] * stride_t + cols[None, :], mask=m, other=0.0).to(tl.float32)
-    if NORMED:
-        x = x / tl.load(norms + rows * 2 + which)[:, None]
-    return x * scale
-
-
-@triton.jit
-def _block_spread(ws_gamma, j, offs_k, BLOCK_K: tl.constexpr):
-    """Sub-block ``j``'s log-decay spread: Γ of the token before it (0 before the chunk) minus
-    Γ of its last token, the largest over the channels (>= 0: Γ never increases)."""
-    ref = j * 16 - 1
-    before = tl.load(ws_gamma + ref * BLOCK_K + offs_k, mask=(offs_k * 0 + ref) >= 0, other=0.0)
-    return tl.max(before - tl.load(ws_gamma + (j * 16 + 15) * BLOCK_K + offs_k), axis=0)
-
-
-@triton.jit
-def _beta_values(beta, tok, mask, stride_b_t, stride_b_h, i_hv, BETA_MODE: tl.constexpr):
-    """β of the tokens ``tok`` (zeros where not ``mask``) from β or its logit."""
-    b = tl.load(beta + tok * stride_b_t + i_hv * stride_b_h, mask=mask, other=0.0).to(tl.float32)
-    if BETA_MODE == 1:
-        b = tl.sigmoid(b)
-    if BETA_MODE == 2:
-        b = tl.sigmoid(b) * 2.0
-    return tl.where(mask, b, 0.0)
 
 
 @triton.jit
@@ -471,13 +438,16 @@ def _invert_diagonal_blocks(wa, C: tl.constexpr, NB: tl.constexpr):
 
 
 @triton.jit
-def _invert_unit_lower_by_doubling(wa, C: tl.constexpr, NB: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _invert_unit_lower_by_doubling(wa, C: tl.constexpr, NB: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                                   DIAGONAL_INVERTED: tl.constexpr):
     """``_invert_unit_lower`` by doubling: from the 16 x 16 diagonal blocks, each level inverts
     the diagonal blocks twice as large, whose lower-left block is ``-T_bb A_ba T_aa`` (T_aa,
     T_bb: the inverses of the level below, A_ba: ``A``'s block under T_aa). Two levels at
     C = 64, each one pair of products per block (16- then 32-row), where the block-row
-    substitution takes six dependent steps of 16-row products."""
-    _invert_diagonal_blocks(wa, C, NB)
+    substitution takes six dependent steps of 16-row products. ``DIAGONAL_INVERTED``: the 16 x 16
+    diagonal blocks hold their inverses already."""
+    if not DIAGONAL_INVERTED:
+        _invert_diagonal_blocks(wa, C, NB)
     if C > 16:
         _double_diagonal_blocks(wa, C, 16, DOT_PRECISION)
     if C > 32:
@@ -506,11 +476,14 @@ def _double_diagonal_blocks(wa, C: tl.constexpr, SIZE: tl.constexpr, DOT_PRECISI
 
 
 @triton.jit
-def _invert_unit_lower(wa, C: tl.constexpr, NB: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _invert_unit_lower(wa, C: tl.constexpr, NB: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                       DIAGONAL_INVERTED: tl.constexpr):
     """``(I + A)^-1`` for the strictly lower-triangular ``A [C, C]`` at
-    ``wa`` (row stride ``C``), written over it (blocks above the diagonal are left as they are)."""
+    ``wa`` (row stride ``C``), written over it (blocks above the diagonal are left as they are;
+    ``DIAGONAL_INVERTED``: the 16 x 16 diagonal blocks hold their inverses already)."""
     offs_s = tl.arange(0, 16)
-    _invert_diagonal_blocks(wa, C, NB)
+    if not DIAGONAL_INVERTED:
+        _invert_diagonal_blocks(wa, C, NB)
     # Below the diagonal, row block by row block, j ascending: T_ij = -T_ii Σ_{j<=m<i} A_im T_mj.
     # T_ij may overwrite A_ij: the later j of row block i read A_im only for m > j.
     for i in tl.static_range(1, NB):
@@ -792,7 +765,21 @@ def chunk_prefill_triton(q, k, v, g, beta, state, slot_indices, out, *, cu_seqle
                            USE_QK_L2NORM=bool(use_qk_l2norm), GATE_IN_KERNEL=gate, SAFE_GATE=lower_bound is not None,
                            BETA_MODE=int(beta_mode), DOT_PRECISION=cfg.dot_precision,
                            QK_FROM_INPUT=bool(cfg.qk_from_input), INVERSE_BY_DOUBLING=cfg.inverse == "doubling")
-    if cfg.split_prep:
+    pair_programs = cfg.pairs == "pair_programs"
+    prep_constexprs["DIAGONAL_INVERTED"] = pair_programs
+    if pair_programs:  # token-parallel; the pair programs (steep blocks too); the inverse, w and u
+        _chunk_prep((max_chunks, HV), prep_args, dict(prep_constexprs, PHASES=1, SUB_BLOCK_PROGRAMS=False),
+                    num_warps=cfg.prep_warps, num_stages=1)
+        chunk_pairs((max_chunks, HV, num_pairs(C)),
+                    (q, k, beta, cu_seqlens, first, seq, ws_q, ws_k, ws_w, ws_p, ws_a, ws_n, N, T,
+                     q.stride(1), q.stride(2), k.stride(1), k.stride(2), beta.stride(1), beta.stride(2),
+                     float(scale), float(spread_max)),
+                    dict(H=H, HV=HV, K=K, BLOCK_K=BK, C=C, SLICE=min(cfg.pairs_slice_k, BK),
+                         USE_QK_L2NORM=bool(use_qk_l2norm), BETA_MODE=int(beta_mode), DOT_PRECISION=cfg.dot_precision,
+                         QK_FROM_INPUT=bool(cfg.qk_from_input)),
+                    num_warps=cfg.pairs_warps, num_stages=1)
+        launches = [((max_chunks, HV), phases, False) for phases in ([8, 16] if cfg.split_rest else [8 | 16])]
+    elif cfg.split_prep:
         rest = [4, 8, 16] if cfg.split_rest else [4 | 8 | 16]
         launches = [((max_chunks, HV), 1, False), ((max_chunks, HV, C // SUB), 2, True),
                     *[((max_chunks, HV), phases, False) for phases in rest]]
