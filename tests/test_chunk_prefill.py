@@ -617,15 +617,16 @@ def test_inverse_by_doubling_against_float64(chunk, gate, monkeypatch):
                               "chunk32-softplus-steep-workspace-qk", "chunk16-log-decay-qk-from-input"])
 def test_pair_programs_against_float64(chunk, gate, from_input, monkeypatch):
     """``ChunkConfig.pairs="pair_programs"`` (chunk_pairs.py: a program per 16 x 16 block of the
-    pairs, the diagonal blocks inverted there): the float64 results, and those of the
-    column-block form up to float32 rounding, with steep and mild sub-blocks side by side
+    pairs, the diagonal blocks inverted there; its pieces looped or unrolled) and
+    ``diagonal_programs`` (the column-block form, the diagonal inverses as programs of their
+    own): the float64 results, and those of the column-block form up to float32 rounding, with steep and mild sub-blocks side by side
     (the exact path of a steep diagonal block, a steep one in a chunk's last, partial
     sub-block too), GVA, K below its power-of-two tile, both inverses; the launches are the
     ones configured and the pool's other slots untouched."""
     from kdakit.ops import chunk_pairs as pairs_module
     from kdakit.ops import chunk_prefill as module
     launched = []
-    prep, pairs = module._chunk_prep, module.chunk_pairs
+    prep, pairs, diagonal = module._chunk_prep, module.chunk_pairs, module.diagonal_inverse
 
     def noting_prep(grid, args, constexprs, **kw):
         launched.append((constexprs["PHASES"], constexprs["DIAGONAL_INVERTED"]))
@@ -634,8 +635,12 @@ def test_pair_programs_against_float64(chunk, gate, from_input, monkeypatch):
     def noting_pairs(grid, args, constexprs, **kw):
         launched.append(("pairs", grid[2]))
         return pairs(grid, args, constexprs, **kw)
+    def noting_diagonal(grid, args, constexprs, **kw):
+        launched.append(("diagonal", grid[2]))
+        return diagonal(grid, args, constexprs, **kw)
     monkeypatch.setattr(module, "_chunk_prep", noting_prep)
     monkeypatch.setattr(module, "chunk_pairs", noting_pairs)
+    monkeypatch.setattr(module, "diagonal_inverse", noting_diagonal)
     H, HV, K, V = 1, 2, 24, 16
     x, A_log, dt_bias, cu, state, T = make_case(H, HV, K, V, [70, 1, 23], seed=41, raw_gate=gate != "log-decay",
                                                 extra_tokens=2)
@@ -647,22 +652,26 @@ def test_pair_programs_against_float64(chunk, gate, from_input, monkeypatch):
     before = state.clone()
     ref_out, ref_pool, _ = ref64(x, A_log, dt_bias, cu, state, idx, lower_bound=lb)
     got = {}
-    for pairs_form, inverse in (("column_blocks", "substitution"), ("pair_programs", "substitution"),
-                                ("pair_programs", "doubling")):
+    for pairs_form, inverse, diagonal_programs, unroll in (
+            ("column_blocks", "substitution", False, False), ("pair_programs", "substitution", False, False),
+            ("pair_programs", "doubling", False, True), ("column_blocks", "doubling", True, False)):
         pool, out = state.clone(), torch.full((1, T, HV, V), POISON)
         run_triton(x, A_log, dt_bias, cu, pool, idx, out,
                    ChunkConfig(chunk=chunk, block_v=16, dot_precision="ieee", split_prep=True, split_rest=True,
-                               qk_from_input=from_input, pairs=pairs_form, inverse=inverse), lower_bound=lb)
-        got[pairs_form, inverse] = (out, pool)
-    blocks = pairs_module.num_pairs(chunk)
+                               qk_from_input=from_input, pairs=pairs_form, inverse=inverse, pairs_unroll=unroll,
+                               diagonal_programs=diagonal_programs, pairs_slice_k=16), lower_bound=lb)
+        got[pairs_form, inverse, diagonal_programs] = (out, pool)
+    blocks, nb = pairs_module.num_pairs(chunk), chunk // 16
     column_blocks = [(1, False), (2, False), (4, False), (8, False), (16, False)]
     pair_programs = [(1, True), ("pairs", blocks), (8, True), (16, True)]
-    assert launched == column_blocks + pair_programs * 2, launched
-    assert torch.isfinite(got["column_blocks", "substitution"][0][:, :94]).all()
+    diagonal_programs = [(1, False), (2, False), (4, False), ("diagonal", nb), (8, True), (16, True)]
+    assert launched == column_blocks + pair_programs * 2 + diagonal_programs, launched
+    first = got["column_blocks", "substitution", False][0]
+    assert torch.isfinite(first[:, :94]).all()
     for key, (out, pool) in got.items():
         ERRORS[f"pairs {key} {gate} C{chunk}{' qk from input' if from_input else ''}"] = rel_err(out[:, :94],
                                                                                                 ref_out[:, :94])
         assert_close(out[:, :94], ref_out[:, :94], 1e-5, f"{key} out")
         assert (out[:, 94:] == POISON).all(), "rows outside cu_seqlens must not be written"
         check_pool(pool, before, ref_pool, [3, 0, 5], 1e-5, f"{key} pool")
-        assert_close(out, got["column_blocks", "substitution"][0], 1e-6, f"{key} vs column blocks")
+        assert_close(out, first, 1e-6, f"{key} vs column blocks")

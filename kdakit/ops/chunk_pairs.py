@@ -115,13 +115,31 @@ def _invert_unit_lower_16(a):
 
 
 @triton.jit
+def _factored_piece(acc_a, acc_p, kk, b, k_h, q_h, wk, wq, wg, wn, scale, n_tok, rows_i, rows_j, stride_k_t,
+                    stride_q_t, K: tl.constexpr, BLOCK_K: tl.constexpr, SLICE: tl.constexpr, NORMED: tl.constexpr,
+                    FROM_INPUT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Block (i, j)'s products over columns [kk, kk + SLICE), factored at token ``b``."""
+    offs_n = tl.arange(0, SLICE)
+    cols = kk + offs_n
+    G_b = tl.load(wg + b * BLOCK_K + cols, mask=(offs_n * 0 + b) >= 0, other=0.0)
+    left = tl.exp(tl.load(wg + rows_i[:, None] * BLOCK_K + cols[None, :]) - G_b[None, :])
+    k_j = _qk_rows(k_h, wk, wn, 0, 1.0, 0, n_tok, rows_j, cols, stride_k_t, K, BLOCK_K, NORMED, FROM_INPUT)
+    right = tl.trans(k_j * tl.exp(G_b[None, :] - tl.load(wg + rows_j[:, None] * BLOCK_K + cols[None, :])))
+    k_i = _qk_rows(k_h, wk, wn, 0, 1.0, 0, n_tok, rows_i, cols, stride_k_t, K, BLOCK_K, NORMED, FROM_INPUT)
+    acc_a = tl.dot(k_i * left, right, acc_a, input_precision=DOT_PRECISION)
+    q_i = _qk_rows(q_h, wq, wn, 1, scale, 0, n_tok, rows_i, cols, stride_q_t, K, BLOCK_K, NORMED, FROM_INPUT)
+    acc_p = tl.dot(q_i * left, right, acc_p, input_precision=DOT_PRECISION)
+    return acc_a, acc_p
+
+
+@triton.jit
 def _chunk_pairs_kernel(
     q, k, beta, cu_seqlens, chunk_first, chunk_seq, ws_q, ws_k, ws_gamma, ws_p, ws_a, ws_n,
     num_seqs, T, stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_b_t, stride_b_h,
     scale, spread_max,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr, C: tl.constexpr,
     SLICE: tl.constexpr, USE_QK_L2NORM: tl.constexpr, BETA_MODE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    QK_FROM_INPUT: tl.constexpr,
+    QK_FROM_INPUT: tl.constexpr, UNROLL_SLICES: tl.constexpr, EXACT_SLICE: tl.constexpr,
 ):
     i_c, i_hv, pair = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_hv // (HV // H)
@@ -142,7 +160,6 @@ def _chunk_pairs_kernel(
     k_h = k + i_h * stride_k_h + t0 * stride_k_t
     q_h = q + i_h * stride_q_h + t0 * stride_q_t
     offs_s = tl.arange(0, 16)
-    offs_n = tl.arange(0, SLICE)
     rows_i = i * 16 + offs_s
     rows_j = j * 16 + offs_s
     b = i * 16 - 1
@@ -150,41 +167,31 @@ def _chunk_pairs_kernel(
     acc_a = tl.zeros([16, 16], dtype=tl.float32)
     acc_p = tl.zeros([16, 16], dtype=tl.float32)
     if factored:
-        for kk in range(0, BLOCK_K, SLICE):
-            cols = kk + offs_n
-            G_b = tl.load(wg + b * BLOCK_K + cols, mask=(offs_n * 0 + b) >= 0, other=0.0)
-            left = tl.exp(tl.load(wg + rows_i[:, None] * BLOCK_K + cols[None, :]) - G_b[None, :])
-            k_j = _qk_rows(k_h, wk, wn, 0, 1.0, 0, n_tok, rows_j, cols, stride_k_t, K, BLOCK_K, USE_QK_L2NORM,
-                           QK_FROM_INPUT)
-            right = tl.trans(k_j * tl.exp(G_b[None, :] - tl.load(wg + rows_j[:, None] * BLOCK_K + cols[None, :])))
+        if UNROLL_SLICES:
+            for kk in tl.static_range(0, BLOCK_K, SLICE):
+                acc_a, acc_p = _factored_piece(acc_a, acc_p, kk, b, k_h, q_h, wk, wq, wg, wn, scale, n_tok, rows_i,
+                                               rows_j, stride_k_t, stride_q_t, K, BLOCK_K, SLICE, USE_QK_L2NORM,
+                                               QK_FROM_INPUT, DOT_PRECISION)
+        else:
+            for kk in range(0, BLOCK_K, SLICE):
+                acc_a, acc_p = _factored_piece(acc_a, acc_p, kk, b, k_h, q_h, wk, wq, wg, wn, scale, n_tok, rows_i,
+                                               rows_j, stride_k_t, stride_q_t, K, BLOCK_K, SLICE, USE_QK_L2NORM,
+                                               QK_FROM_INPUT, DOT_PRECISION)
+    else:
+        # A steep diagonal block (the default gate is unbounded): exact decays, every pair of the
+        # block at once on [16, 16, EXACT_SLICE] pieces (s, r, channel).
+        offs_e = tl.arange(0, EXACT_SLICE)
+        causal = (offs_s[:, None] >= offs_s[None, :])[:, :, None]
+        for kk in range(0, BLOCK_K, EXACT_SLICE):
+            cols = kk + offs_e
+            G = tl.load(wg + rows_i[:, None] * BLOCK_K + cols[None, :])
             k_i = _qk_rows(k_h, wk, wn, 0, 1.0, 0, n_tok, rows_i, cols, stride_k_t, K, BLOCK_K, USE_QK_L2NORM,
                            QK_FROM_INPUT)
-            acc_a = tl.dot(k_i * left, right, acc_a, input_precision=DOT_PRECISION)
             q_i = _qk_rows(q_h, wq, wn, 1, scale, 0, n_tok, rows_i, cols, stride_q_t, K, BLOCK_K, USE_QK_L2NORM,
                            QK_FROM_INPUT)
-            acc_p = tl.dot(q_i * left, right, acc_p, input_precision=DOT_PRECISION)
-    else:
-        # A steep diagonal block (the default gate is unbounded): exact decays, column r at once.
-        for r in range(16):
-            a_col = tl.zeros([16], dtype=tl.float32)
-            p_col = tl.zeros([16], dtype=tl.float32)
-            for kk in range(0, BLOCK_K, SLICE):
-                cols = kk + offs_n
-                k_r = _qk_row(k_h, wk, wn, 0, 1.0, 0, n_tok, i * 16 + r, cols, stride_k_t, K, BLOCK_K,
-                              USE_QK_L2NORM, QK_FROM_INPUT)
-                G_r = tl.load(wg + (i * 16 + r) * BLOCK_K + cols)
-                d = tl.where((offs_s >= r)[:, None], tl.load(wg + rows_i[:, None] * BLOCK_K + cols[None, :])
-                             - G_r[None, :], float("-inf"))
-                kr = k_r[None, :] * tl.exp(d)
-                k_i = _qk_rows(k_h, wk, wn, 0, 1.0, 0, n_tok, rows_i, cols, stride_k_t, K, BLOCK_K,
-                               USE_QK_L2NORM, QK_FROM_INPUT)
-                q_i = _qk_rows(q_h, wq, wn, 1, scale, 0, n_tok, rows_i, cols, stride_q_t, K, BLOCK_K,
-                               USE_QK_L2NORM, QK_FROM_INPUT)
-                a_col += tl.sum(k_i * kr, axis=1)
-                p_col += tl.sum(q_i * kr, axis=1)
-            at_r = offs_s[None, :] == r
-            acc_a = tl.where(at_r, a_col[:, None], acc_a)
-            acc_p = tl.where(at_r, p_col[:, None], acc_p)
+            kr = k_i[None, :, :] * tl.exp(tl.where(causal, G[:, None, :] - G[None, :, :], float("-inf")))
+            acc_a += tl.sum(k_i[:, None, :] * kr, axis=2)
+            acc_p += tl.sum(q_i[:, None, :] * kr, axis=2)
     beta_i = beta_values(beta, t0 + rows_i, rows_i < n_tok, stride_b_t, stride_b_h, i_hv, BETA_MODE)
     # below the diagonal block's diagonal, or anywhere in a block below the diagonal (+16)
     below = offs_s[:, None] - offs_s[None, :] + 16 * (i != j).to(tl.int32)
@@ -204,3 +211,17 @@ def num_pairs(C: int) -> int:
     """Blocks at or below the diagonal of a chunk's 16 x 16 grid: the launch's third grid axis."""
     nb = C // 16
     return nb * (nb + 1) // 2
+
+
+@triton.jit
+def _diagonal_inverse_kernel(ws_a, HV: tl.constexpr, C: tl.constexpr):
+    # One warp per diagonal block: the substitution's reductions stay within the warp
+    # (shuffles, no barrier), where a chunk's program of four warps waits on shared memory
+    # at each of the 15 steps.
+    i_c, i_hv, i = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs = tl.arange(0, 16)
+    p = ws_a + (i_c.to(tl.int64) * HV + i_hv) * C * C + (i * 16 + offs)[:, None] * C + i * 16 + offs[None, :]
+    tl.store(p, _invert_unit_lower_16(tl.load(p)))
+
+
+diagonal_inverse = CachedKernel(_diagonal_inverse_kernel)

@@ -89,7 +89,7 @@ import triton.language as tl
 
 from .. import errors, reference
 from ..backends import register, select
-from .chunk_pairs import beta_values, block_spread, chunk_pairs, chunk_tokens, num_pairs, unit_rows
+from .chunk_pairs import beta_values, block_spread, chunk_pairs, chunk_tokens, diagonal_inverse, num_pairs, unit_rows
 from .launch import CachedKernel, cdiv, interpreting, next_power_of_2
 from .triton_math import count_bad_row, kda_log_decay
 
@@ -144,6 +144,9 @@ class ChunkConfig:
     #                                  below the diagonal, which also inverts the diagonal blocks)
     pairs_warps: int = 1             # warps of a pair program
     pairs_slice_k: int = 32          # columns of K a pair program's [16, slice] pieces span
+    pairs_unroll: bool = False       # a pair program's loop over its pieces unrolled (loads in flight at once)
+    diagonal_programs: bool = False  # column-block pairs with split_rest: the inverse's 16 x 16 diagonal
+    #                                  blocks as one-warp programs of their own (chunk_pairs.py)
 
     def __post_init__(self):
         for name, allowed in (("factor_dtype", tuple(_FACTOR_DTYPES)), ("chain_dot_dtype", tuple(_FACTOR_DTYPES)),
@@ -776,16 +779,23 @@ def chunk_prefill_triton(q, k, v, g, beta, state, slot_indices, out, *, cu_seqle
                      float(scale), float(spread_max)),
                     dict(H=H, HV=HV, K=K, BLOCK_K=BK, C=C, SLICE=min(cfg.pairs_slice_k, BK),
                          USE_QK_L2NORM=bool(use_qk_l2norm), BETA_MODE=int(beta_mode), DOT_PRECISION=cfg.dot_precision,
-                         QK_FROM_INPUT=bool(cfg.qk_from_input)),
+                         QK_FROM_INPUT=bool(cfg.qk_from_input), UNROLL_SLICES=bool(cfg.pairs_unroll),
+                         EXACT_SLICE=8),
                     num_warps=cfg.pairs_warps, num_stages=1)
         launches = [((max_chunks, HV), phases, False) for phases in ([8, 16] if cfg.split_rest else [8 | 16])]
     elif cfg.split_prep:
-        rest = [4, 8, 16] if cfg.split_rest else [4 | 8 | 16]
+        rest = [4, "diagonal", 8, 16] if cfg.split_rest else [4 | 8 | 16]
+        if not (cfg.split_rest and cfg.diagonal_programs):
+            rest = [p for p in rest if p != "diagonal"]
         launches = [((max_chunks, HV), 1, False), ((max_chunks, HV, C // SUB), 2, True),
                     *[((max_chunks, HV), phases, False) for phases in rest]]
     else:
         launches = [((max_chunks, HV), 1 | 2 | 4 | 8 | 16, False)]
     for grid, phases, per_sub_block in launches:
+        if phases == "diagonal":
+            diagonal_inverse((max_chunks, HV, C // SUB), (ws_a,), dict(HV=HV, C=C), num_warps=1, num_stages=1)
+            prep_constexprs["DIAGONAL_INVERTED"] = True
+            continue
         _chunk_prep(grid, prep_args, dict(prep_constexprs, PHASES=phases, SUB_BLOCK_PROGRAMS=per_sub_block),
                     num_warps=cfg.prep_warps, num_stages=1)
     has_cs = chunk_states is not None
