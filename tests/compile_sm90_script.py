@@ -147,9 +147,10 @@ chunk_prefill_triton(*xp[:3], -torch.rand(1, Tp, HV, K), xp[4], state, torch.ten
                      torch.empty(1, Tp, HV, V, dtype=bf), cu_seqlens=cu_p, scale=0.1, use_qk_l2norm=True, A_log=None,
                      dt_bias=None, lower_bound=None, beta_mode=2, has_initial_state=None, chunk_states=None,
                      chunk_state_indices=None, config=ChunkConfig(chunk=32, block_v=64, prep_warps=4, pipeline_stages=3))
-# the picked config runs the prep as five launches; the given one as one
-assert COMPILED_FOR_TARGET[-14:] == (["_chunk_prep_kernel"] * 5 + ["_chunk_state_kernel"]) * 2 + [
-    "_chunk_prep_kernel", "_chunk_state_kernel"], COMPILED_FOR_TARGET[-14:]
+# the picked config runs the prep as five launches and the diagonal inverses; the given one as one
+PICKED_PREP = ["_chunk_prep_kernel"] * 3 + ["_diagonal_inverse_kernel"] + ["_chunk_prep_kernel"] * 2
+assert COMPILED_FOR_TARGET[-16:] == (PICKED_PREP + ["_chunk_state_kernel"]) * 2 + [
+    "_chunk_prep_kernel", "_chunk_state_kernel"], COMPILED_FOR_TARGET[-16:]
 chunk_prefill_triton(*xp, state, torch.tensor([1, 2], dtype=torch.int32), torch.empty(1, Tp, HV, V, dtype=bf),
                      cu_seqlens=cu_p, scale=0.1, use_qk_l2norm=True, A_log=A_log, dt_bias=dt_bias, lower_bound=None,
                      beta_mode=1, has_initial_state=None, chunk_states=None, chunk_state_indices=None,

@@ -568,6 +568,7 @@ def test_picked_config_follows_the_activations():
     assert (few_heads.block_v, few_heads.factor_dtype, few_heads.chain_dot_dtype) == (16, "bfloat16", "float32")
     assert (f32.factor_dtype, f32.chain_dot_dtype) == ("float32", "float32")
     assert all(c.qk_from_input and c.split_prep and c.split_rest for c in (many, one, few_heads, f32))
+    assert all(c.inverse == "doubling" and c.diagonal_programs for c in (many, one, few_heads, f32))
 
 
 def test_zz_print_errors():
@@ -615,31 +616,25 @@ def test_inverse_by_doubling_against_float64(chunk, gate, monkeypatch):
                                                    (32, "softplus-steep", False), (16, "log-decay", True)],
                          ids=["chunk64-softplus-steep-qk-from-input", "chunk64-safe-workspace-qk",
                               "chunk32-softplus-steep-workspace-qk", "chunk16-log-decay-qk-from-input"])
-def test_pair_programs_against_float64(chunk, gate, from_input, monkeypatch):
-    """``ChunkConfig.pairs="pair_programs"`` (chunk_pairs.py: a program per 16 x 16 block of the
-    pairs, the diagonal blocks inverted there; its pieces looped or unrolled) and
-    ``diagonal_programs`` (the column-block form, the diagonal inverses as programs of their
-    own): the float64 results, and those of the column-block form up to float32 rounding, with steep and mild sub-blocks side by side
-    (the exact path of a steep diagonal block, a steep one in a chunk's last, partial
-    sub-block too), GVA, K below its power-of-two tile, both inverses; the launches are the
-    ones configured and the pool's other slots untouched."""
-    from kdakit.ops import chunk_pairs as pairs_module
+def test_diagonal_programs_against_float64(chunk, gate, from_input, monkeypatch):
+    """``ChunkConfig.diagonal_programs`` (chunk_inverse.py: the inverse's 16 x 16 diagonal
+    blocks as one-warp programs of their own, the prep's inverse launch told they are done),
+    with either inverse below them: the float64 results, and those of the diagonal inverted in
+    the prep up to float32 rounding, with steep and mild sub-blocks side by side (a steep one
+    in a chunk's last, partial sub-block too), GVA, K below its power-of-two tile; the
+    launches are the ones configured and the pool's other slots untouched."""
     from kdakit.ops import chunk_prefill as module
     launched = []
-    prep, pairs, diagonal = module._chunk_prep, module.chunk_pairs, module.diagonal_inverse
+    prep, diagonal = module._chunk_prep, module.diagonal_inverse
 
     def noting_prep(grid, args, constexprs, **kw):
         launched.append((constexprs["PHASES"], constexprs["DIAGONAL_INVERTED"]))
         return prep(grid, args, constexprs, **kw)
 
-    def noting_pairs(grid, args, constexprs, **kw):
-        launched.append(("pairs", grid[2]))
-        return pairs(grid, args, constexprs, **kw)
     def noting_diagonal(grid, args, constexprs, **kw):
         launched.append(("diagonal", grid[2]))
         return diagonal(grid, args, constexprs, **kw)
     monkeypatch.setattr(module, "_chunk_prep", noting_prep)
-    monkeypatch.setattr(module, "chunk_pairs", noting_pairs)
     monkeypatch.setattr(module, "diagonal_inverse", noting_diagonal)
     H, HV, K, V = 1, 2, 24, 16
     x, A_log, dt_bias, cu, state, T = make_case(H, HV, K, V, [70, 1, 23], seed=41, raw_gate=gate != "log-decay",
@@ -652,26 +647,22 @@ def test_pair_programs_against_float64(chunk, gate, from_input, monkeypatch):
     before = state.clone()
     ref_out, ref_pool, _ = ref64(x, A_log, dt_bias, cu, state, idx, lower_bound=lb)
     got = {}
-    for pairs_form, inverse, diagonal_programs, unroll in (
-            ("column_blocks", "substitution", False, False), ("pair_programs", "substitution", False, False),
-            ("pair_programs", "doubling", False, True), ("column_blocks", "doubling", True, False)):
+    for inverse, diagonal_programs in (("substitution", False), ("substitution", True), ("doubling", True)):
         pool, out = state.clone(), torch.full((1, T, HV, V), POISON)
         run_triton(x, A_log, dt_bias, cu, pool, idx, out,
                    ChunkConfig(chunk=chunk, block_v=16, dot_precision="ieee", split_prep=True, split_rest=True,
-                               qk_from_input=from_input, pairs=pairs_form, inverse=inverse, pairs_unroll=unroll,
-                               diagonal_programs=diagonal_programs, pairs_slice_k=16), lower_bound=lb)
-        got[pairs_form, inverse, diagonal_programs] = (out, pool)
-    blocks, nb = pairs_module.num_pairs(chunk), chunk // 16
-    column_blocks = [(1, False), (2, False), (4, False), (8, False), (16, False)]
-    pair_programs = [(1, True), ("pairs", blocks), (8, True), (16, True)]
-    diagonal_programs = [(1, False), (2, False), (4, False), ("diagonal", nb), (8, True), (16, True)]
-    assert launched == column_blocks + pair_programs * 2 + diagonal_programs, launched
-    first = got["column_blocks", "substitution", False][0]
+                               qk_from_input=from_input, inverse=inverse, diagonal_programs=diagonal_programs),
+                   lower_bound=lb)
+        got[inverse, diagonal_programs] = (out, pool)
+    in_prep = [(1, False), (2, False), (4, False), (8, False), (16, False)]
+    own_programs = [(1, True), (2, True), (4, True), ("diagonal", chunk // 16), (8, True), (16, True)]
+    assert launched == in_prep + own_programs * 2, launched
+    first = got["substitution", False][0]
     assert torch.isfinite(first[:, :94]).all()
     for key, (out, pool) in got.items():
-        ERRORS[f"pairs {key} {gate} C{chunk}{' qk from input' if from_input else ''}"] = rel_err(out[:, :94],
-                                                                                                ref_out[:, :94])
+        ERRORS[f"diagonal programs {key} {gate} C{chunk}{' qk from input' if from_input else ''}"] = rel_err(
+            out[:, :94], ref_out[:, :94])
         assert_close(out[:, :94], ref_out[:, :94], 1e-5, f"{key} out")
         assert (out[:, 94:] == POISON).all(), "rows outside cu_seqlens must not be written"
         check_pool(pool, before, ref_pool, [3, 0, 5], 1e-5, f"{key} pool")
-        assert_close(out, first, 1e-6, f"{key} vs column blocks")
+        assert_close(out, first, 1e-6, f"{key} vs the diagonal inverted in the prep")

@@ -89,7 +89,7 @@ import triton.language as tl
 
 from .. import errors, reference
 from ..backends import register, select
-from .chunk_pairs import beta_values, block_spread, chunk_pairs, chunk_tokens, diagonal_inverse, num_pairs, unit_rows
+from .chunk_inverse import diagonal_inverse
 from .launch import CachedKernel, cdiv, interpreting, next_power_of_2
 from .triton_math import count_bad_row, kda_log_decay
 
@@ -102,7 +102,7 @@ BETA_AS_IS, BETA_SIGMOID, BETA_SIGMOID_X2 = 0, 1, 2
 _FACTOR_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _DOT_PRECISIONS = ("tf32", "tf32x3", "ieee")
 _INVERSES = ("substitution", "doubling")
-_PAIRS = ("column_blocks", "pair_programs")
+_DIAGONAL = "diagonal inverse"  # the launch list's entry for chunk_inverse.py's launch
 BF16_DOTS_MIN_BLOCK_V = 32  # bf16 chain products on 16-row V tiles wrote non-finite outputs on the H200
 
 
@@ -138,19 +138,12 @@ class ChunkConfig:
     inverse: str = "substitution"    # (I + A)^-1 below its 16 x 16 diagonal blocks: "substitution" (block
     #                                  row by block row, 16-row products) or "doubling" (16 -> 32 -> 64:
     #                                  one pair of products per level on 16- then 32-row blocks)
-    pairs: str = "column_blocks"     # A and P: "column_blocks" (a [C, K] x [K, 16] product per column block
-    #                                  in the chunk's program, steep sub-blocks in a launch of their own) or
-    #                                  "pair_programs" (chunk_pairs.py: a program per 16 x 16 block at or
-    #                                  below the diagonal, which also inverts the diagonal blocks)
-    pairs_warps: int = 1             # warps of a pair program
-    pairs_slice_k: int = 32          # columns of K a pair program's [16, slice] pieces span
-    pairs_unroll: bool = False       # a pair program's loop over its pieces unrolled (loads in flight at once)
-    diagonal_programs: bool = False  # column-block pairs with split_rest: the inverse's 16 x 16 diagonal
-    #                                  blocks as one-warp programs of their own (chunk_pairs.py)
+    diagonal_programs: bool = False  # with split_rest: the inverse's 16 x 16 diagonal blocks as one-warp
+    #                                  programs of their own (chunk_inverse.py) before the rest of it
 
     def __post_init__(self):
         for name, allowed in (("factor_dtype", tuple(_FACTOR_DTYPES)), ("chain_dot_dtype", tuple(_FACTOR_DTYPES)),
-                              ("dot_precision", _DOT_PRECISIONS), ("inverse", _INVERSES), ("pairs", _PAIRS)):
+                              ("dot_precision", _DOT_PRECISIONS), ("inverse", _INVERSES)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"ChunkConfig.{name} must be one of {', '.join(map(repr, allowed))} "
                                  f"(got {getattr(self, name)!r}).")
@@ -164,7 +157,9 @@ def chunk_config(N: int, HV: int, K: int, V: int, chunk: int = CHUNK_SIZE,
     fill the GPU; many sequences reread the chunk's factors fewer times with wide ones).
     Head dims above 128 take 32-token chunks and V tiles of at most 32 rows.
     The later prep phases read q and k from the inputs (``qk_from_input``), the prep runs as
-    five launches (``split_prep``, ``split_rest``), and the chain's factors are stored in the
+    five launches (``split_prep``, ``split_rest``) and one more that inverts the 16 x 16
+    diagonal blocks one warp each (``diagonal_programs``), after which the rest of the inverse
+    is built by doubling (``inverse``), and the chain's factors are stored in the
     activations' dtype when that is bf16 (``factor_dtype``; float32 otherwise), as fla stores
     its w and u: the chain streams half the bytes and its kernel holds fewer registers, and the
     call stays more accurate against float64 than fla's (docs/tuning.md, "chunk_prefill")."""
@@ -191,7 +186,8 @@ def chunk_config(N: int, HV: int, K: int, V: int, chunk: int = CHUNK_SIZE,
                        state_warps=8 if block_v >= 64 or bf16_dots else 4,
                        pipeline_stages=2 if block_v <= 16 or bf16_dots else 1, split_prep=True, split_rest=True,
                        qk_from_input=True, factor_dtype="bfloat16" if bf16 else "float32",
-                       chain_dot_dtype="bfloat16" if bf16_dots else "float32")
+                       chain_dot_dtype="bfloat16" if bf16_dots else "float32", inverse="doubling",
+                       diagonal_programs=True)
 
 
 @triton.jit
@@ -224,14 +220,14 @@ def _chunk_prep_kernel(
     # each kernel holds fewer registers, so more programs share an SM. SUB_BLOCK_PROGRAMS:
     # one program per sub-block (program_id 2) instead of a loop over them. QK_FROM_INPUT:
     # the first phase keeps each row's norms of k and q (ws_n), and the later phases read
-    # q and k from the inputs and divide as the first phase would have (unit_rows).
+    # q and k from the inputs and divide as the first phase would have (_unit_rows).
     # f_q, f_k, f_w (and ws_u): where the chain's factors go, in their dtype; float32 ones
     # are ws_q, ws_k, ws_w themselves, written over q̂, k̂ and Γ.
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     c64 = i_c.to(tl.int64)
     NB: tl.constexpr = C // 16
-    t0, n_tok = chunk_tokens(chunk_seq, chunk_first, cu_seqlens, i_c, num_seqs, T, C)  # none past the plan
+    t0, n_tok = _chunk_tokens(chunk_seq, chunk_first, cu_seqlens, i_c, num_seqs, T, C)  # none past the plan
 
     offs_c = tl.arange(0, C)
     offs_k = tl.arange(0, BLOCK_K)
@@ -312,16 +308,16 @@ def _chunk_prep_kernel(
             else:
                 run = i >= 0
             if run:
-                spread = block_spread(ww, i, offs_k, BLOCK_K)
+                spread = _block_spread(ww, i, offs_k, BLOCK_K)
                 if spread > diag_spread_max:
                     rows = i * 16 + offs_s
-                    beta_i = beta_values(beta, t0 + rows, rows < n_tok, stride_b_t, stride_b_h, i_hv, BETA_MODE)
+                    beta_i = _beta_values(beta, t0 + rows, rows < n_tok, stride_b_t, stride_b_h, i_hv, BETA_MODE)
                     for r in range(16):
                         a_col = tl.zeros([16], dtype=tl.float32)
                         p_col = tl.zeros([16], dtype=tl.float32)
                         for kk in tl.static_range(0, BLOCK_K, SLICE):
                             p_ik = rows[:, None] * BLOCK_K + kk + offs_n[None, :]
-                            if QK_FROM_INPUT:  # row i·16 + r alone, as unit_rows would give it
+                            if QK_FROM_INPUT:  # row i·16 + r alone, as _unit_rows would give it
                                 row_r = offs_n * 0 + i * 16 + r
                                 k_r = tl.load(k_h + (t0 + row_r) * stride_k_t + kk + offs_n,
                                               mask=(row_r < n_tok) & ((kk + offs_n) < K), other=0.0).to(tl.float32)
@@ -333,19 +329,19 @@ def _chunk_prep_kernel(
                             d = tl.where((offs_s >= r)[:, None], tl.load(ww + p_ik) - G_r[None, :], float("-inf"))
                             kr = k_r[None, :] * tl.exp(d)
                             if QK_FROM_INPUT:
-                                a_col += tl.sum(unit_rows(k_h, wn, 0, 1.0, t0, n_tok, rows, kk + offs_n, stride_k_t,
+                                a_col += tl.sum(_unit_rows(k_h, wn, 0, 1.0, t0, n_tok, rows, kk + offs_n, stride_k_t,
                                                            K, USE_QK_L2NORM) * kr, axis=1)
-                                p_col += tl.sum(unit_rows(q_h, wn, 1, scale, t0, n_tok, rows, kk + offs_n,
+                                p_col += tl.sum(_unit_rows(q_h, wn, 1, scale, t0, n_tok, rows, kk + offs_n,
                                                            stride_q_t, K, USE_QK_L2NORM) * kr, axis=1)
                             else:
                                 a_col += tl.sum(tl.load(wk + p_ik) * kr, axis=1)
                                 p_col += tl.sum(tl.load(wq + p_ik) * kr, axis=1)
                         tl.store(wa + rows * C + i * 16 + r, tl.where(offs_s > r, a_col * beta_i, 0.0))
                         tl.store(wp + rows * C + i * 16 + r, p_col)
-    b_beta = beta_values(beta, tok, mask_c, stride_b_t, stride_b_h, i_hv, BETA_MODE)
+    b_beta = _beta_values(beta, tok, mask_c, stride_b_t, stride_b_h, i_hv, BETA_MODE)
     if PHASES & 4:
         for j in range(NB):
-            factor = block_spread(ww, j, offs_k, BLOCK_K) <= diag_spread_max
+            factor = _block_spread(ww, j, offs_k, BLOCK_K) <= diag_spread_max
             if factor | (j < NB - 1):  # a steep last block has no rows below it
                 ref = tl.where(factor, j * 16 - 1, j * 16 + 15)
                 below = offs_c >= tl.where(factor, j * 16, j * 16 + 16)
@@ -357,13 +353,13 @@ def _chunk_prep_kernel(
                     left = tl.exp(tl.where(below[:, None], tl.load(ww + p_sl) - G_ref[None, :], float("-inf")))
                     p_jk = (j * 16 + offs_s)[:, None] * BLOCK_K + kk + offs_n[None, :]
                     if QK_FROM_INPUT:
-                        k_j = unit_rows(k_h, wn, 0, 1.0, t0, n_tok, j * 16 + offs_s, kk + offs_n, stride_k_t, K,
+                        k_j = _unit_rows(k_h, wn, 0, 1.0, t0, n_tok, j * 16 + offs_s, kk + offs_n, stride_k_t, K,
                                          USE_QK_L2NORM)
                         right = tl.trans(k_j * tl.exp(G_ref[None, :] - tl.load(ww + p_jk)))  # [SLICE, 16]
-                        k_c = unit_rows(k_h, wn, 0, 1.0, t0, n_tok, offs_c, kk + offs_n, stride_k_t, K,
+                        k_c = _unit_rows(k_h, wn, 0, 1.0, t0, n_tok, offs_c, kk + offs_n, stride_k_t, K,
                                          USE_QK_L2NORM)
                         acc_a = tl.dot(k_c * left, right, acc_a, input_precision=DOT_PRECISION)
-                        q_c = unit_rows(q_h, wn, 1, scale, t0, n_tok, offs_c, kk + offs_n, stride_q_t, K,
+                        q_c = _unit_rows(q_h, wn, 1, scale, t0, n_tok, offs_c, kk + offs_n, stride_q_t, K,
                                          USE_QK_L2NORM)
                         acc_p = tl.dot(q_c * left, right, acc_p, input_precision=DOT_PRECISION)
                     else:
@@ -379,7 +375,7 @@ def _chunk_prep_kernel(
 
     if PHASES & 8:
         # ---- T = (I + A)^-1 in place of A ----
-        # (the diagonal blocks already inverted by the pair programs with DIAGONAL_INVERTED)
+        # (with DIAGONAL_INVERTED the 16 x 16 diagonal blocks hold their inverses: chunk_inverse.py)
         if INVERSE_BY_DOUBLING:
             _invert_unit_lower_by_doubling(wa, C, NB, DOT_PRECISION, DIAGONAL_INVERTED)
         else:
@@ -397,8 +393,8 @@ def _chunk_prep_kernel(
             G = tl.load(ww + p_sl)
             G_last = tl.load(ww + (C - 1) * BLOCK_K + kk + offs_n)
             if QK_FROM_INPUT:
-                kn = unit_rows(k_h, wn, 0, 1.0, t0, n_tok, offs_c, kk + offs_n, stride_k_t, K, USE_QK_L2NORM)
-                qn = unit_rows(q_h, wn, 1, scale, t0, n_tok, offs_c, kk + offs_n, stride_q_t, K,
+                kn = _unit_rows(k_h, wn, 0, 1.0, t0, n_tok, offs_c, kk + offs_n, stride_k_t, K, USE_QK_L2NORM)
+                qn = _unit_rows(q_h, wn, 1, scale, t0, n_tok, offs_c, kk + offs_n, stride_q_t, K,
                                 USE_QK_L2NORM)
             else:
                 kn = tl.load(wk + p_sl)
@@ -417,6 +413,53 @@ def _chunk_prep_kernel(
             b_u = tl.dot(b_T, b_v * b_beta[:, None], input_precision=DOT_PRECISION)
             tl.store(ws_u + ws_row * BLOCK_V + offs_c[:, None] * BLOCK_V + offs_v[None, :],
                      b_u.to(ws_u.dtype.element_ty))
+
+
+@triton.jit
+def _chunk_tokens(chunk_seq, chunk_first, cu_seqlens, i_c, num_seqs, T, C: tl.constexpr):
+    """(first token, token count) of global chunk ``i_c`` (count 0 past the plan's end).
+    Offsets are clamped into [0, T] (and eos >= bos), as the plan clamps them: no token
+    outside the inputs is read whatever cu_seqlens holds (full-check mode rejects such offsets)."""
+    seq = tl.load(chunk_seq + i_c).to(tl.int64)
+    valid = seq < num_seqs
+    seq_c = tl.minimum(seq, num_seqs - 1)
+    bos = tl.minimum(tl.maximum(tl.load(cu_seqlens + seq_c).to(tl.int64), 0), T)
+    eos = tl.maximum(tl.minimum(tl.maximum(tl.load(cu_seqlens + seq_c + 1).to(tl.int64), 0), T), bos)
+    t0 = bos + (i_c.to(tl.int64) - tl.load(chunk_first + seq_c).to(tl.int64)) * C
+    return t0, tl.where(valid, tl.minimum(eos - t0, C), 0)
+
+
+@triton.jit
+def _unit_rows(x_head, norms, which, scale, t0, n_tok, rows, cols, stride_t, K: tl.constexpr,
+              NORMED: tl.constexpr):
+    """k̂ (``which`` 0, ``scale`` 1) or q̂ (``which`` 1, the q scale) of the chunk's ``rows`` and
+    ``cols`` from the input, as the workspace would hold them (``x / norm * scale``, the first
+    phase's arithmetic, ``x * scale`` without the L2 norm; zeros past the chunk's tokens and K)."""
+    m = (rows < n_tok)[:, None] & (cols < K)[None, :]
+    x = tl.load(x_head + (t0 + rows)[:, None] * stride_t + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    if NORMED:
+        x = x / tl.load(norms + rows * 2 + which)[:, None]
+    return x * scale
+
+
+@triton.jit
+def _block_spread(ws_gamma, j, offs_k, BLOCK_K: tl.constexpr):
+    """Sub-block ``j``'s log-decay spread: Γ of the token before it (0 before the chunk) minus
+    Γ of its last token, the largest over the channels (>= 0: Γ never increases)."""
+    ref = j * 16 - 1
+    before = tl.load(ws_gamma + ref * BLOCK_K + offs_k, mask=(offs_k * 0 + ref) >= 0, other=0.0)
+    return tl.max(before - tl.load(ws_gamma + (j * 16 + 15) * BLOCK_K + offs_k), axis=0)
+
+
+@triton.jit
+def _beta_values(beta, tok, mask, stride_b_t, stride_b_h, i_hv, BETA_MODE: tl.constexpr):
+    """β of the tokens ``tok`` (zeros where not ``mask``) from β or its logit."""
+    b = tl.load(beta + tok * stride_b_t + i_hv * stride_b_h, mask=mask, other=0.0).to(tl.float32)
+    if BETA_MODE == 1:
+        b = tl.sigmoid(b)
+    if BETA_MODE == 2:
+        b = tl.sigmoid(b) * 2.0
+    return tl.where(mask, b, 0.0)
 
 
 @triton.jit
@@ -764,40 +807,25 @@ def chunk_prefill_triton(q, k, v, g, beta, state, slot_indices, out, *, cu_seqle
                  q.stride(1), q.stride(2), k.stride(1), k.stride(2), v.stride(1), v.stride(2), g.stride(1),
                  g.stride(2), beta.stride(1), beta.stride(2),
                  float(scale), float(lower_bound) if lower_bound is not None else 0.0, float(spread_max))
+    # the inverse's diagonal blocks as programs of their own, between the products and the rest of it
+    diagonal_programs = cfg.split_prep and cfg.split_rest and cfg.diagonal_programs
     prep_constexprs = dict(H=H, HV=HV, K=K, V=V, BLOCK_K=BK, BLOCK_V=BVW, C=C, SLICE=min(cfg.slice_k, BK, BVW),
                            USE_QK_L2NORM=bool(use_qk_l2norm), GATE_IN_KERNEL=gate, SAFE_GATE=lower_bound is not None,
                            BETA_MODE=int(beta_mode), DOT_PRECISION=cfg.dot_precision,
-                           QK_FROM_INPUT=bool(cfg.qk_from_input), INVERSE_BY_DOUBLING=cfg.inverse == "doubling")
-    pair_programs = cfg.pairs == "pair_programs"
-    prep_constexprs["DIAGONAL_INVERTED"] = pair_programs
-    if pair_programs:  # token-parallel; the pair programs (steep blocks too); the inverse, w and u
-        _chunk_prep((max_chunks, HV), prep_args, dict(prep_constexprs, PHASES=1, SUB_BLOCK_PROGRAMS=False),
-                    num_warps=cfg.prep_warps, num_stages=1)
-        chunk_pairs((max_chunks, HV, num_pairs(C)),
-                    (q, k, beta, cu_seqlens, first, seq, ws_q, ws_k, ws_w, ws_p, ws_a, ws_n, N, T,
-                     q.stride(1), q.stride(2), k.stride(1), k.stride(2), beta.stride(1), beta.stride(2),
-                     float(scale), float(spread_max)),
-                    dict(H=H, HV=HV, K=K, BLOCK_K=BK, C=C, SLICE=min(cfg.pairs_slice_k, BK),
-                         USE_QK_L2NORM=bool(use_qk_l2norm), BETA_MODE=int(beta_mode), DOT_PRECISION=cfg.dot_precision,
-                         QK_FROM_INPUT=bool(cfg.qk_from_input), UNROLL_SLICES=bool(cfg.pairs_unroll),
-                         EXACT_SLICE=8),
-                    num_warps=cfg.pairs_warps, num_stages=1)
-        launches = [((max_chunks, HV), phases, False) for phases in ([8, 16] if cfg.split_rest else [8 | 16])]
-    elif cfg.split_prep:
-        rest = [4, "diagonal", 8, 16] if cfg.split_rest else [4 | 8 | 16]
-        if not (cfg.split_rest and cfg.diagonal_programs):
-            rest = [p for p in rest if p != "diagonal"]
+                           QK_FROM_INPUT=bool(cfg.qk_from_input), INVERSE_BY_DOUBLING=cfg.inverse == "doubling",
+                           DIAGONAL_INVERTED=diagonal_programs)
+    if cfg.split_prep:
+        rest = ([4, _DIAGONAL, 8, 16] if diagonal_programs else [4, 8, 16]) if cfg.split_rest else [4 | 8 | 16]
         launches = [((max_chunks, HV), 1, False), ((max_chunks, HV, C // SUB), 2, True),
                     *[((max_chunks, HV), phases, False) for phases in rest]]
     else:
         launches = [((max_chunks, HV), 1 | 2 | 4 | 8 | 16, False)]
     for grid, phases, per_sub_block in launches:
-        if phases == "diagonal":
+        if phases is _DIAGONAL:
             diagonal_inverse((max_chunks, HV, C // SUB), (ws_a,), dict(HV=HV, C=C), num_warps=1, num_stages=1)
-            prep_constexprs["DIAGONAL_INVERTED"] = True
-            continue
-        _chunk_prep(grid, prep_args, dict(prep_constexprs, PHASES=phases, SUB_BLOCK_PROGRAMS=per_sub_block),
-                    num_warps=cfg.prep_warps, num_stages=1)
+        else:
+            _chunk_prep(grid, prep_args, dict(prep_constexprs, PHASES=phases, SUB_BLOCK_PROGRAMS=per_sub_block),
+                        num_warps=cfg.prep_warps, num_stages=1)
     has_cs = chunk_states is not None
     cs = chunk_states if has_cs else state
     ci = chunk_state_indices if has_cs else slot_indices
