@@ -45,7 +45,11 @@ The kernels:
    rows' norms of k and q (two floats a row), and the later phases read q and k from the
    inputs and normalise them as they load. With ``ChunkConfig.split_prep`` (the picked default) the phases
    run as three launches of the same kernel (token-parallel; the exact pairs of steep
-   sub-blocks, a program per sub-block; the rest), each holding fewer registers.
+   sub-blocks, a program per sub-block; the rest), each holding fewer registers. With
+   ``split_rest`` the rest goes as three (products, inverse, w and u), and with
+   ``diagonal_programs`` (picked) the inverse's 16 x 16 diagonal blocks are inverted one warp
+   each by ``chunk_inverse.py`` between the products and the inverse launch, which then only
+   builds the blocks below them (by doubling, ``inverse="doubling"``, picked).
 2. ``_chunk_state_kernel``, one program per (sequence, value head, V tile), serial over
    the sequence's chunks with the state tile in float32 registers: outputs and the
    state update above; the final state written back in place (and optionally the state
