@@ -435,7 +435,7 @@ def _chunk_tokens(chunk_seq, chunk_first, cu_seqlens, i_c, num_seqs, T, C: tl.co
 
 @triton.jit
 def _unit_rows(x_head, norms, which, scale, t0, n_tok, rows, cols, stride_t, K: tl.constexpr,
-              NORMED: tl.constexpr):
+               NORMED: tl.constexpr):
     """k̂ (``which`` 0, ``scale`` 1) or q̂ (``which`` 1, the q scale) of the chunk's ``rows`` and
     ``cols`` from the input, as the workspace would hold them (``x / norm * scale``, the first
     phase's arithmetic, ``x * scale`` without the L2 norm; zeros past the chunk's tokens and K)."""
