@@ -181,6 +181,17 @@ for bv, stages in ((32, 2), (64, 2), (64, 1)):  # bf16 chain products (native bf
                          config=ChunkConfig(block_v=bv, state_warps=8, pipeline_stages=stages, split_prep=True,
                                             split_rest=True, qk_from_input=True, factor_dtype="bfloat16",
                                             chain_dot_dtype="bfloat16"))
+for chain_dots in ("bfloat16", "float32"):  # the products by K slice; the outputs after the chain
+    chunk_prefill_triton(*(x.to(bf) for x in xp), state, torch.tensor([1, 2], dtype=torch.int32),
+                         torch.empty(1, Tp, HV, V, dtype=bf), cu_seqlens=cu_p, scale=0.1, use_qk_l2norm=True,
+                         A_log=A_log, dt_bias=dt_bias, lower_bound=None, beta_mode=1, has_initial_state=None,
+                         chunk_states=torch.zeros(3, HV, V, K), chunk_state_indices=torch.tensor([[0], [1]]),
+                         config=ChunkConfig(block_v=32, state_warps=8, split_prep=True, split_rest=True,
+                                            qk_from_input=True, factor_dtype="bfloat16", chain_dot_dtype=chain_dots,
+                                            inverse="doubling", diagonal_programs=True, products="by_slice",
+                                            factors_warps=8, outputs="after_chain"))
+    assert COMPILED_FOR_TARGET[-3:] == ["_chunk_prep_kernel", "_chunk_state_kernel", "_chunk_output_kernel"], \
+        COMPILED_FOR_TARGET[-3:]
 chunk_prefill_triton(*xp, state, torch.tensor([1, 2], dtype=torch.int32), torch.empty(1, Tp, HV, V, dtype=bf),
                      cu_seqlens=cu_p, scale=0.1, use_qk_l2norm=True, A_log=A_log, dt_bias=dt_bias, lower_bound=None,
                      beta_mode=1, has_initial_state=torch.tensor([True, False]), chunk_states=torch.zeros(3, HV, V, K),

@@ -23,6 +23,7 @@ IEEE32 = ChunkConfig(chunk=32, block_v=16, dot_precision="ieee")
 IEEE32S = ChunkConfig(chunk=32, block_v=16, dot_precision="ieee", split_prep=True)  # the prep over three launches
 IEEE16C3 = ChunkConfig(chunk=16, block_v=16, dot_precision="ieee", chain_pieces=3)  # the chain in 3 pieces
 IEEE16W = ChunkConfig(chunk=16, block_v=32, dot_precision="ieee")  # a wider V tile
+IEEE16A = ChunkConfig(chunk=16, block_v=16, dot_precision="ieee", outputs="after_chain", output_block_v=16)
 ERRORS = {}  # measured relative errors, printed by the last test (pytest -s)
 
 
@@ -202,7 +203,8 @@ def test_bf16_pools_and_inputs(state_dtype, act):
     check_pool(state, before, ref_pool, [3, 0], 2e-2, "pool")
 
 
-@pytest.mark.parametrize("config", [IEEE16W, IEEE16C3], ids=["whole-chain", "chain-3-pieces"])
+@pytest.mark.parametrize("config", [IEEE16W, IEEE16C3, IEEE16A],
+                         ids=["whole-chain", "chain-3-pieces", "outputs-after-chain"])
 def test_padding_out_of_range_slots_initial_state_mix_interleaved_pool(config):
     """Slot -1 and slot >= slots are padding rows (zero outputs, no pool access); a sequence
     without an initial state starts from zeros and still writes its final state; the pool's
@@ -238,7 +240,8 @@ def test_padding_out_of_range_slots_initial_state_mix_interleaved_pool(config):
     assert torch.equal(state[[1, 3, 5]], before[[1, 3, 5]])
 
 
-@pytest.mark.parametrize("config", [IEEE16W, IEEE16C3], ids=["whole-chain", "chain-3-pieces"])
+@pytest.mark.parametrize("config", [IEEE16W, IEEE16C3, IEEE16A],
+                         ids=["whole-chain", "chain-3-pieces", "outputs-after-chain"])
 def test_chunk_boundary_states(config):
     """The state after every CHUNK tokens goes to its scratch row (prefix caching); rows
     < 0 or out of range are skipped, the rest of the scratch stays bitwise."""
@@ -509,6 +512,65 @@ def test_split_rest_equals_one_rest_launch_bitwise(monkeypatch):
     assert phases == [[1, 2, 28], [1, 2, 4, 8, 16]], phases
     assert torch.isfinite(got[0][0][:, :76]).all()
     assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
+
+
+@pytest.mark.parametrize("chain_dots", ["float32", "bfloat16"])
+def test_outputs_after_chain_equal_in_chain_bitwise(chain_dots):
+    """``ChunkConfig.outputs="after_chain"``: the chain stores each chunk's start state and U
+    (bf16 with bf16 products), a token-parallel launch makes the outputs: the same bits as
+    outputs inside the chain. Padding and out-of-range slots (zero outputs), a sequence with
+    no initial state, an empty one, lengths off the chunk grid, GVA, K != V, V below its
+    tile, output tiles narrower than V; tokens past the last sequence stay poisoned."""
+    H, HV, K, V = 1, 2, 32, 24
+    x, A_log, dt_bias, cu, state, T = make_case(H, HV, K, V, [40, 7, 0, 33, 1], seed=13, act=torch.bfloat16,
+                                                extra_tokens=3)
+    idx = torch.tensor([3, -1, 0, 5, 9], dtype=torch.int32)
+    has_init = torch.tensor([True, True, True, False, True])
+    got = []
+    for outputs in ("in_chain", "after_chain"):
+        pool = state.clone()
+        out = torch.full((1, T, HV, V), POISON).to(torch.bfloat16)
+        run_triton(x, A_log, dt_bias, cu, pool, idx, out,
+                   ChunkConfig(chunk=16, block_v=32, dot_precision="ieee", outputs=outputs, output_block_v=16,
+                               factor_dtype="bfloat16", chain_dot_dtype=chain_dots),
+                   has_initial_state=has_init)
+        got.append((out, pool))
+    n = T - 3
+    assert torch.isfinite(got[0][0][:, :n].float()).all() and (got[1][0][:, n:] == POISON).all()
+    assert (got[1][0][0, 40:47] == 0).all(), "a padding sequence's outputs are zero"
+    assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
+    ref_out, _, _ = ref64(x, A_log, dt_bias, cu, state, idx, has_initial_state=has_init, chunk_size=16)
+    assert_close(got[1][0][:, :n], ref_out[:, :n], 2e-2, "outputs after the chain")
+
+
+@pytest.mark.parametrize("chunk,from_input", [(64, True), (32, False), (16, True)],
+                         ids=["chunk64-qk-from-input", "chunk32-workspace-qk", "chunk16-qk-from-input"])
+def test_products_by_slice_equal_by_block_bitwise(chunk, from_input):
+    """``ChunkConfig.products="by_slice"``: every column block's products accumulated per K
+    slice give the by-block bits (the same products summed in the same order), steep and mild
+    sub-blocks mixed (a steep last sub-block, which covers no rows), GVA, K below its tile,
+    sequences of one token and off the chunk grid; both against float64 too."""
+    H, HV, K, V = 1, 2, 40, 16
+    x, A_log, dt_bias, cu, state, T = make_case(H, HV, K, V, [2 * chunk + 5, 1, chunk - 3], seed=12,
+                                                extra_tokens=2)
+    x["g"][0, 3:9, :, : K // 4] = 30.0  # steep sub-blocks under the default gate
+    x["g"][0, chunk - 12: chunk, :, K // 2:] = 30.0
+    idx = torch.tensor([4, 1, 0], dtype=torch.int32)
+    got = []
+    for products in ("by_block", "by_slice"):
+        pool = state.clone()
+        out = torch.full((1, T, HV, V), POISON)
+        run_triton(x, A_log, dt_bias, cu, pool, idx, out,
+                   ChunkConfig(chunk=chunk, block_v=16, dot_precision="ieee", split_prep=True, split_rest=True,
+                               qk_from_input=from_input, products=products, slice_k=16))
+        got.append((out, pool))
+    n = T - 2
+    assert torch.isfinite(got[0][0][:, :n]).all() and (got[1][0][:, n:] == POISON).all()
+    assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
+    ref_out, ref_pool, _ = ref64(x, A_log, dt_bias, cu, state, idx, chunk_size=chunk)
+    assert_close(got[1][0][:, :n], ref_out[:, :n], 1e-4, "by_slice outputs")
+    for s in (4, 1, 0):
+        assert_close(got[1][1][s], ref_pool[s], 1e-4, f"by_slice slot {s}")
 
 
 @pytest.mark.parametrize("from_input", [False, True], ids=["workspace-qk", "qk-from-input"])

@@ -42,8 +42,8 @@ The kernels:
    Each phase reads its pieces back from the workspace (16-row sub-blocks,
    ``ChunkConfig.slice_k``-column pieces), so that no whole-chunk tile outlives its phase:
    those spill registers. With ``ChunkConfig.qk_from_input`` the first phase keeps only the
-   rows' norms of k and q (two floats a row), and the later phases read q and k from the
-   inputs and normalise them as they load. With ``ChunkConfig.split_prep`` (the picked default) the phases
+   rows' reciprocal norms of k and q (two floats a row), and the later phases read q and k
+   from the inputs and normalise them as they load. With ``ChunkConfig.split_prep`` (the picked default) the phases
    run as three launches of the same kernel (token-parallel; the exact pairs of steep
    sub-blocks, a program per sub-block; the rest), each holding fewer registers. With
    ``split_rest`` the rest goes as three (products, inverse, w and u), and with
@@ -106,6 +106,8 @@ BETA_AS_IS, BETA_SIGMOID, BETA_SIGMOID_X2 = 0, 1, 2
 _FACTOR_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _DOT_PRECISIONS = ("tf32", "tf32x3", "ieee")
 _INVERSES = ("substitution", "doubling")
+_PRODUCTS = ("by_block", "by_slice")
+_OUTPUTS = ("in_chain", "after_chain")
 _DIAGONAL = "diagonal inverse"  # the launch list's entry for chunk_inverse.py's launch
 BF16_DOTS_MIN_BLOCK_V = 32  # bf16 chain products on 16-row V tiles wrote non-finite outputs on the H200
 
@@ -127,9 +129,9 @@ class ChunkConfig:
     #                                  launches; fills the GPU for one long sequence with few heads)
     split_prep: bool = False         # the prep as three launches (token-parallel; exact in-sub-block
     #                                  pairs, a program per sub-block; the rest): fewer registers each
-    qk_from_input: bool = False      # prep: the later phases read q and k from the inputs and divide by
-    #                                  the row norms the first phase keeps, instead of float32 k̂ and q̂
-    #                                  in the workspace (the same values: fewer bytes moved)
+    qk_from_input: bool = False      # prep: the later phases read q and k from the inputs and scale them
+    #                                  by the reciprocal row norms the first phase keeps, instead of float32
+    #                                  k̂ and q̂ in the workspace (the same values: fewer bytes moved)
     split_rest: bool = False         # with split_prep, the last launch as three: the column-block
     #                                  products, the inverse, w and u (fewer registers each; a profile
     #                                  times the parts apart)
@@ -144,10 +146,22 @@ class ChunkConfig:
     #                                  one pair of products per level on 16- then 32-row blocks)
     diagonal_programs: bool = False  # with split_rest: the inverse's 16 x 16 diagonal blocks as one-warp
     #                                  programs of their own (chunk_inverse.py) before the rest of it
+    outputs: str = "in_chain"        # "in_chain" (each chunk's outputs inside the serial state chain) or
+    #                                  "after_chain" (the chain stores each chunk's start state and U, and a
+    #                                  token-parallel launch computes the outputs: two of the chain's four
+    #                                  products and its q̂, P loads out of the serial loop; one piece only)
+    output_block_v: int = 64         # after_chain: V rows of an output program
+    output_warps: int = 4
+    factors_warps: int = 0           # warps of the w and u launch (with split_rest; 0: prep_warps)
+    products: str = "by_block"       # the A and P products: "by_block" (a column block at a time, every K
+    #                                  slice of k, q and Γ loaded again for each) or "by_slice" (every
+    #                                  column block's product accumulated per K slice, each slice loaded
+    #                                  once: a quarter of the loads, every block's accumulators live)
 
     def __post_init__(self):
         for name, allowed in (("factor_dtype", tuple(_FACTOR_DTYPES)), ("chain_dot_dtype", tuple(_FACTOR_DTYPES)),
-                              ("dot_precision", _DOT_PRECISIONS), ("inverse", _INVERSES)):
+                              ("dot_precision", _DOT_PRECISIONS), ("inverse", _INVERSES),
+                              ("products", _PRODUCTS), ("outputs", _OUTPUTS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"ChunkConfig.{name} must be one of {', '.join(map(repr, allowed))} "
                                  f"(got {getattr(self, name)!r}).")
@@ -191,7 +205,7 @@ def chunk_config(N: int, HV: int, K: int, V: int, chunk: int = CHUNK_SIZE,
                        pipeline_stages=2 if block_v <= 16 or bf16_dots else 1, split_prep=True, split_rest=True,
                        qk_from_input=True, factor_dtype="bfloat16" if bf16 else "float32",
                        chain_dot_dtype="bfloat16" if bf16_dots else "float32", inverse="doubling",
-                       diagonal_programs=True)
+                       diagonal_programs=True, products="by_slice" if chunk <= 64 else "by_block")
 
 
 @triton.jit
@@ -214,7 +228,8 @@ def _chunk_prep_kernel(
     USE_QK_L2NORM: tl.constexpr, GATE_IN_KERNEL: tl.constexpr, SAFE_GATE: tl.constexpr,
     BETA_MODE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PHASES: tl.constexpr, SUB_BLOCK_PROGRAMS: tl.constexpr, QK_FROM_INPUT: tl.constexpr,
-    INVERSE_BY_DOUBLING: tl.constexpr, DIAGONAL_INVERTED: tl.constexpr,
+    INVERSE_BY_DOUBLING: tl.constexpr, DIAGONAL_INVERTED: tl.constexpr, PRODUCTS_BY_SLICE: tl.constexpr,
+    FACTORS_IN_PLACE: tl.constexpr,
 ):
     # Every phase reads what it needs back from the (L2-resident) workspace in 16-row or
     # SLICE-column pieces, so that no [C, K] tile outlives its phase: whole-chunk tiles kept
@@ -223,7 +238,7 @@ def _chunk_prep_kernel(
     # chain's other factors) lets a launch run some of them: split over launches,
     # each kernel holds fewer registers, so more programs share an SM. SUB_BLOCK_PROGRAMS:
     # one program per sub-block (program_id 2) instead of a loop over them. QK_FROM_INPUT:
-    # the first phase keeps each row's norms of k and q (ws_n), and the later phases read
+    # the first phase keeps each row's reciprocal norms of k and q (ws_n), and the later phases read
     # q and k from the inputs and divide as the first phase would have (_unit_rows).
     # f_q, f_k, f_w (and ws_u): where the chain's factors go, in their dtype; float32 ones
     # are ws_q, ws_k, ws_w themselves, written over q̂, k̂ and Γ.
@@ -245,7 +260,7 @@ def _chunk_prep_kernel(
     ww = ws_w + ws_row * BLOCK_K
     wa = ws_a + ws_row * C
     wp = ws_p + ws_row * C
-    wn = ws_n + ws_row * 2  # (norm of k, norm of q) a row, with QK_FROM_INPUT and the L2 norm
+    wn = ws_n + ws_row * 2  # (1 / norm of k, 1 / norm of q) a row, with QK_FROM_INPUT and the L2 norm
     k_h = k + i_h * stride_k_h
     q_h = q + i_h * stride_q_h
 
@@ -265,11 +280,12 @@ def _chunk_prep_kernel(
                 b_q = tl.load(p_qt + kk + offs_n[None, :], mask=m, other=0.0).to(tl.float32)
                 ss_k += tl.sum(b_k * b_k, axis=1)
                 ss_q += tl.sum(b_q * b_q, axis=1)
-            norm_k = tl.sqrt(ss_k + 1e-6)
-            norm_q = tl.sqrt(ss_q + 1e-6)
+            # reciprocals: every phase multiplies (a division an element costs about ten instructions)
+            inv_k = 1.0 / tl.sqrt(ss_k + 1e-6)
+            inv_q = 1.0 / tl.sqrt(ss_q + 1e-6)
             if QK_FROM_INPUT:
-                tl.store(wn + offs_c * 2, norm_k)
-                tl.store(wn + offs_c * 2 + 1, norm_q)
+                tl.store(wn + offs_c * 2, inv_k)
+                tl.store(wn + offs_c * 2 + 1, inv_q)
         for kk in tl.static_range(0, BLOCK_K, SLICE):
             in_k = (kk + offs_n) < K
             m = mask_c[:, None] & in_k[None, :]
@@ -278,8 +294,8 @@ def _chunk_prep_kernel(
                 b_k = tl.load(p_kt + kk + offs_n[None, :], mask=m, other=0.0).to(tl.float32)
                 b_q = tl.load(p_qt + kk + offs_n[None, :], mask=m, other=0.0).to(tl.float32)
                 if USE_QK_L2NORM:
-                    b_k = b_k / norm_k[:, None]
-                    b_q = b_q / norm_q[:, None]
+                    b_k = b_k * inv_k[:, None]
+                    b_q = b_q * inv_q[:, None]
                 tl.store(wk + p_sl, b_k)
                 tl.store(wq + p_sl, b_q * scale)
             b_g = tl.load(p_gt + kk + offs_n[None, :], mask=m, other=0.0).to(tl.float32)
@@ -326,7 +342,7 @@ def _chunk_prep_kernel(
                                 k_r = tl.load(k_h + (t0 + row_r) * stride_k_t + kk + offs_n,
                                               mask=(row_r < n_tok) & ((kk + offs_n) < K), other=0.0).to(tl.float32)
                                 if USE_QK_L2NORM:
-                                    k_r = k_r / tl.load(wn + row_r * 2)
+                                    k_r = k_r * tl.load(wn + row_r * 2)
                             else:
                                 k_r = tl.load(wk + (i * 16 + r) * BLOCK_K + kk + offs_n)
                             G_r = tl.load(ww + (i * 16 + r) * BLOCK_K + kk + offs_n)
@@ -344,37 +360,26 @@ def _chunk_prep_kernel(
                         tl.store(wp + rows * C + i * 16 + r, p_col)
     b_beta = _beta_values(beta, tok, mask_c, stride_b_t, stride_b_h, i_hv, BETA_MODE)
     if PHASES & 4:
-        for j in range(NB):
-            factor = _block_spread(ww, j, offs_k, BLOCK_K) <= diag_spread_max
-            if factor | (j < NB - 1):  # a steep last block has no rows below it
-                ref = tl.where(factor, j * 16 - 1, j * 16 + 15)
-                below = offs_c >= tl.where(factor, j * 16, j * 16 + 16)
-                acc_a = tl.zeros([C, 16], dtype=tl.float32)
-                acc_p = tl.zeros([C, 16], dtype=tl.float32)
-                for kk in tl.static_range(0, BLOCK_K, SLICE):
-                    G_ref = tl.load(ww + ref * BLOCK_K + kk + offs_n, mask=(offs_n * 0 + ref) >= 0, other=0.0)
-                    p_sl = offs_c[:, None] * BLOCK_K + kk + offs_n[None, :]
-                    left = tl.exp(tl.where(below[:, None], tl.load(ww + p_sl) - G_ref[None, :], float("-inf")))
-                    p_jk = (j * 16 + offs_s)[:, None] * BLOCK_K + kk + offs_n[None, :]
-                    if QK_FROM_INPUT:
-                        k_j = _unit_rows(k_h, wn, 0, 1.0, t0, n_tok, j * 16 + offs_s, kk + offs_n, stride_k_t, K,
-                                         USE_QK_L2NORM)
-                        right = tl.trans(k_j * tl.exp(G_ref[None, :] - tl.load(ww + p_jk)))  # [SLICE, 16]
-                        k_c = _unit_rows(k_h, wn, 0, 1.0, t0, n_tok, offs_c, kk + offs_n, stride_k_t, K,
-                                         USE_QK_L2NORM)
-                        acc_a = tl.dot(k_c * left, right, acc_a, input_precision=DOT_PRECISION)
-                        q_c = _unit_rows(q_h, wn, 1, scale, t0, n_tok, offs_c, kk + offs_n, stride_q_t, K,
-                                         USE_QK_L2NORM)
-                        acc_p = tl.dot(q_c * left, right, acc_p, input_precision=DOT_PRECISION)
-                    else:
-                        right = tl.trans(tl.load(wk + p_jk) * tl.exp(G_ref[None, :] - tl.load(ww + p_jk)))
-                        acc_a = tl.dot(tl.load(wk + p_sl) * left, right, acc_a, input_precision=DOT_PRECISION)
-                        acc_p = tl.dot(tl.load(wq + p_sl) * left, right, acc_p, input_precision=DOT_PRECISION)
-                col = j * 16 + offs_s
-                p_col = offs_c[:, None] * C + col[None, :]
-                keep_a = offs_c[:, None] > col[None, :]  # strictly lower (the block's own rows when factored)
-                tl.store(wa + p_col, tl.where(keep_a, acc_a * b_beta[:, None], 0.0), mask=below[:, None])
-                tl.store(wp + p_col, tl.where(offs_c[:, None] >= col[None, :], acc_p, 0.0), mask=below[:, None])
+        if PRODUCTS_BY_SLICE:
+            _pair_products_by_slice(wk, wq, ww, wa, wp, wn, k_h, q_h, b_beta, t0, n_tok, stride_k_t, stride_q_t,
+                                    scale, diag_spread_max, K, BLOCK_K, C, SLICE, USE_QK_L2NORM, QK_FROM_INPUT,
+                                    DOT_PRECISION)
+        else:  # a column block at a time: fewer accumulators live, every slice loaded once a block
+            for j in range(NB):
+                ref, below = _column_block_reference(ww, j, diag_spread_max, offs_c, BLOCK_K)
+                if (ref < j * 16) | (j < NB - 1):  # a steep last block has no rows below it
+                    acc_a = tl.zeros([C, 16], dtype=tl.float32)
+                    acc_p = tl.zeros([C, 16], dtype=tl.float32)
+                    for kk in tl.static_range(0, BLOCK_K, SLICE):
+                        G = tl.load(ww + offs_c[:, None] * BLOCK_K + kk + offs_n[None, :])
+                        k_c = _unit_slice(wk, k_h, wn, 0, 1.0, t0, n_tok, offs_c, kk + offs_n, stride_k_t, K, BLOCK_K,
+                                          USE_QK_L2NORM, QK_FROM_INPUT)
+                        q_c = _unit_slice(wq, q_h, wn, 1, scale, t0, n_tok, offs_c, kk + offs_n, stride_q_t, K,
+                                          BLOCK_K, USE_QK_L2NORM, QK_FROM_INPUT)
+                        acc_a, acc_p = _column_block_slice(acc_a, acc_p, k_c, q_c, G, ref, below, j, wk, ww, wn, k_h,
+                                                           t0, n_tok, kk, stride_k_t, K, BLOCK_K, SLICE,
+                                                           USE_QK_L2NORM, QK_FROM_INPUT, DOT_PRECISION)
+                    _store_column_block(wa, wp, acc_a, acc_p, b_beta, below, j, C)
     tl.debug_barrier()
 
     if PHASES & 8:
@@ -388,7 +393,8 @@ def _chunk_prep_kernel(
 
     if PHASES & 16:
         # ---- w = T diag(β)(k̂ ⊙ e^Γ), u = T diag(β) v, q̂ ⊙ e^Γ, k̂ ⊙ e^(Γ_C - Γ), e^Γ_C ----
-        # in SLICE-column pieces (each piece's reads are done before its writes)
+        # in SLICE-column pieces (with FACTORS_IN_PLACE, a piece's reads are done before its writes:
+        # float32 factors go over the Γ, k̂ and q̂ they are made of; else nothing waits on them)
         p_cc = offs_c[:, None] * C + offs_c[None, :]
         blk = offs_c // 16
         b_T = tl.load(wa + p_cc, mask=blk[:, None] >= blk[None, :], other=0.0)
@@ -405,7 +411,8 @@ def _chunk_prep_kernel(
                 qn = tl.load(wq + p_sl)
             e_G = tl.exp(G)
             b_w = tl.dot(b_T, kn * e_G * b_beta[:, None], input_precision=DOT_PRECISION)
-            tl.debug_barrier()
+            if FACTORS_IN_PLACE:
+                tl.debug_barrier()
             tl.store(f_w + ws_row * BLOCK_K + p_sl, b_w.to(f_w.dtype.element_ty))
             tl.store(f_q + ws_row * BLOCK_K + p_sl, (qn * e_G).to(f_q.dtype.element_ty))
             tl.store(f_k + ws_row * BLOCK_K + p_sl, (kn * tl.exp(G_last[None, :] - G)).to(f_k.dtype.element_ty))
@@ -437,12 +444,12 @@ def _chunk_tokens(chunk_seq, chunk_first, cu_seqlens, i_c, num_seqs, T, C: tl.co
 def _unit_rows(x_head, norms, which, scale, t0, n_tok, rows, cols, stride_t, K: tl.constexpr,
                NORMED: tl.constexpr):
     """k̂ (``which`` 0, ``scale`` 1) or q̂ (``which`` 1, the q scale) of the chunk's ``rows`` and
-    ``cols`` from the input, as the workspace would hold them (``x / norm * scale``, the first
+    ``cols`` from the input, as the workspace would hold them (``x * (1 / norm) * scale``, the first
     phase's arithmetic, ``x * scale`` without the L2 norm; zeros past the chunk's tokens and K)."""
     m = (rows < n_tok)[:, None] & (cols < K)[None, :]
     x = tl.load(x_head + (t0 + rows)[:, None] * stride_t + cols[None, :], mask=m, other=0.0).to(tl.float32)
     if NORMED:
-        x = x / tl.load(norms + rows * 2 + which)[:, None]
+        x = x * tl.load(norms + rows * 2 + which)[:, None]
     return x * scale
 
 
@@ -453,6 +460,104 @@ def _block_spread(ws_gamma, j, offs_k, BLOCK_K: tl.constexpr):
     ref = j * 16 - 1
     before = tl.load(ws_gamma + ref * BLOCK_K + offs_k, mask=(offs_k * 0 + ref) >= 0, other=0.0)
     return tl.max(before - tl.load(ws_gamma + (j * 16 + 15) * BLOCK_K + offs_k), axis=0)
+
+
+@triton.jit
+def _unit_slice(x_ws, x_head, norms, which, scale, t0, n_tok, rows, cols, stride_t, K: tl.constexpr,
+                BLOCK_K: tl.constexpr, NORMED: tl.constexpr, QK_FROM_INPUT: tl.constexpr):
+    """k̂ or q̂ of ``rows`` x ``cols``: from the inputs (``_unit_rows``) or the float32 workspace."""
+    if QK_FROM_INPUT:
+        x = _unit_rows(x_head, norms, which, scale, t0, n_tok, rows, cols, stride_t, K, NORMED)
+    else:
+        x = tl.load(x_ws + rows[:, None] * BLOCK_K + cols[None, :])
+    return x
+
+
+@triton.jit
+def _column_block_reference(ww, j, diag_spread_max, offs_c, BLOCK_K: tl.constexpr):
+    """Column block ``j``'s factoring token and the rows its product covers (see the kernel):
+    the token before the block and the block's rows too where its spread allows, else the
+    block's last token and the rows below it."""
+    factor = _block_spread(ww, j, tl.arange(0, BLOCK_K), BLOCK_K) <= diag_spread_max
+    ref = tl.where(factor, j * 16 - 1, j * 16 + 15)
+    below = offs_c >= tl.where(factor, j * 16, j * 16 + 16)
+    return ref, below
+
+
+@triton.jit
+def _column_block_slice(acc_a, acc_p, k_c, q_c, G, ref, below, j, wk, ww, wn, k_h, t0, n_tok, kk, stride_k_t,
+                        K: tl.constexpr, BLOCK_K: tl.constexpr, SLICE: tl.constexpr, NORMED: tl.constexpr,
+                        QK_FROM_INPUT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One K slice of column block ``j``'s A and P products, factored at token ``ref``."""
+    offs_n = tl.arange(0, SLICE)
+    rows_j = j * 16 + tl.arange(0, 16)
+    G_ref = tl.load(ww + ref * BLOCK_K + kk + offs_n, mask=(offs_n * 0 + ref) >= 0, other=0.0)
+    left = tl.exp(tl.where(below[:, None], G - G_ref[None, :], float("-inf")))
+    k_j = _unit_slice(wk, k_h, wn, 0, 1.0, t0, n_tok, rows_j, kk + offs_n, stride_k_t, K, BLOCK_K, NORMED,
+                      QK_FROM_INPUT)
+    right = tl.trans(k_j * tl.exp(G_ref[None, :] - tl.load(ww + rows_j[:, None] * BLOCK_K + kk + offs_n[None, :])))
+    acc_a = tl.dot(k_c * left, right, acc_a, input_precision=DOT_PRECISION)
+    acc_p = tl.dot(q_c * left, right, acc_p, input_precision=DOT_PRECISION)
+    return acc_a, acc_p
+
+
+@triton.jit
+def _store_column_block(wa, wp, acc_a, acc_p, b_beta, below, j, C: tl.constexpr):
+    """Column block ``j`` of A (β-scaled, strictly lower) and P (lower), its covered rows only."""
+    offs_c = tl.arange(0, C)
+    col = j * 16 + tl.arange(0, 16)
+    p_col = offs_c[:, None] * C + col[None, :]
+    tl.store(wa + p_col, tl.where(offs_c[:, None] > col[None, :], acc_a * b_beta[:, None], 0.0), mask=below[:, None])
+    tl.store(wp + p_col, tl.where(offs_c[:, None] >= col[None, :], acc_p, 0.0), mask=below[:, None])
+
+
+@triton.jit
+def _pair_products_by_slice(wk, wq, ww, wa, wp, wn, k_h, q_h, b_beta, t0, n_tok, stride_k_t, stride_q_t, scale,
+                            diag_spread_max, K: tl.constexpr, BLOCK_K: tl.constexpr, C: tl.constexpr,
+                            SLICE: tl.constexpr, NORMED: tl.constexpr, QK_FROM_INPUT: tl.constexpr,
+                            DOT_PRECISION: tl.constexpr):
+    """A and P as the by-block products compute them (the same products, summed over the K
+    slices in the same order, so the same bits), with the K slices outermost: each slice of
+    k̂, q̂ and Γ is loaded once for every column block, where the by-block order loads it once
+    a block. The price is every block's two accumulators live at once (up to 4 blocks)."""
+    NB: tl.constexpr = C // 16
+    tl.static_assert(NB <= 4, "by_slice products hold at most 4 column blocks (C <= 64)")
+    offs_c = tl.arange(0, C)
+    offs_n = tl.arange(0, SLICE)
+    ref0, below0 = _column_block_reference(ww, 0, diag_spread_max, offs_c, BLOCK_K)
+    ref1, below1 = _column_block_reference(ww, 1 % NB, diag_spread_max, offs_c, BLOCK_K)
+    ref2, below2 = _column_block_reference(ww, 2 % NB, diag_spread_max, offs_c, BLOCK_K)
+    ref3, below3 = _column_block_reference(ww, 3 % NB, diag_spread_max, offs_c, BLOCK_K)
+    a0 = tl.zeros([C, 16], dtype=tl.float32)
+    p0 = tl.zeros([C, 16], dtype=tl.float32)
+    a1 = tl.zeros([C, 16], dtype=tl.float32)
+    p1 = tl.zeros([C, 16], dtype=tl.float32)
+    a2 = tl.zeros([C, 16], dtype=tl.float32)
+    p2 = tl.zeros([C, 16], dtype=tl.float32)
+    a3 = tl.zeros([C, 16], dtype=tl.float32)
+    p3 = tl.zeros([C, 16], dtype=tl.float32)
+    for kk in tl.static_range(0, BLOCK_K, SLICE):
+        G = tl.load(ww + offs_c[:, None] * BLOCK_K + kk + offs_n[None, :])
+        k_c = _unit_slice(wk, k_h, wn, 0, 1.0, t0, n_tok, offs_c, kk + offs_n, stride_k_t, K, BLOCK_K, NORMED,
+                          QK_FROM_INPUT)
+        q_c = _unit_slice(wq, q_h, wn, 1, scale, t0, n_tok, offs_c, kk + offs_n, stride_q_t, K, BLOCK_K, NORMED,
+                          QK_FROM_INPUT)
+        a0, p0 = _column_block_slice(a0, p0, k_c, q_c, G, ref0, below0, 0, wk, ww, wn, k_h, t0, n_tok, kk,
+                                     stride_k_t, K, BLOCK_K, SLICE, NORMED, QK_FROM_INPUT, DOT_PRECISION)
+        if NB > 1:
+            a1, p1 = _column_block_slice(a1, p1, k_c, q_c, G, ref1, below1, 1, wk, ww, wn, k_h, t0, n_tok, kk,
+                                         stride_k_t, K, BLOCK_K, SLICE, NORMED, QK_FROM_INPUT, DOT_PRECISION)
+        if NB > 2:
+            a2, p2 = _column_block_slice(a2, p2, k_c, q_c, G, ref2, below2, 2, wk, ww, wn, k_h, t0, n_tok, kk,
+                                         stride_k_t, K, BLOCK_K, SLICE, NORMED, QK_FROM_INPUT, DOT_PRECISION)
+            a3, p3 = _column_block_slice(a3, p3, k_c, q_c, G, ref3, below3, 3, wk, ww, wn, k_h, t0, n_tok, kk,
+                                         stride_k_t, K, BLOCK_K, SLICE, NORMED, QK_FROM_INPUT, DOT_PRECISION)
+    _store_column_block(wa, wp, a0, p0, b_beta, below0, 0, C)
+    if NB > 1:
+        _store_column_block(wa, wp, a1, p1, b_beta, below1, 1, C)
+    if NB > 2:
+        _store_column_block(wa, wp, a2, p2, b_beta, below2, 2, C)
+        _store_column_block(wa, wp, a3, p3, b_beta, below3, 3, C)
 
 
 @triton.jit
@@ -568,16 +673,17 @@ def _chain_dot(a, b, acc, BF16_DOTS: tl.constexpr, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _chain_step(S, c, c_first, live, counts, n64, bos, eos, i_hv, out, ws_q, ws_k, ws_w, ws_u, ws_p, ws_g,
+def _chain_step(S, c, c_first, live, counts, n64, bos, eos, i_hv, out, ws_q, ws_k, ws_w, ws_u, ws_p, ws_g, ws_h, ws_v,
                 chunk_states, chunk_state_idx, errors, num_chunk_slots, chunk_idx_cols,
                 stride_o_t, stride_o_h, stride_cs_slot, stride_cs_h, stride_cs_v, stride_cs_k, stride_ci_n,
                 stride_ci_j, offs_c, offs_k, offs_v, mask_v, mask_s,
                 HV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V_WS: tl.constexpr, C: tl.constexpr,
                 HAS_CHUNK_STATES: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERVAL: tl.constexpr,
                 ERR_INDEX: tl.constexpr, V: tl.constexpr, OUTPUTS: tl.constexpr, BF16_DOTS: tl.constexpr):
-    """One chunk of the chain for one (sequence, value head, V tile): outputs, then the state.
-    Without ``OUTPUTS`` only the state, whose rows past V (the transition of a piece of the
-    chain) take no ``u``."""
+    """One chunk of the chain for one (sequence, value head, V tile): outputs (``OUTPUTS`` 1),
+    or the chunk's start state and ``U`` for ``_chunk_output_kernel`` (``OUTPUTS`` 2), then
+    the state. With ``OUTPUTS`` 0 only the state, whose rows past V (the transition of a
+    piece of the chain) take no ``u``."""
     ws_row = (c * HV + i_hv) * C
     p_ck = offs_c[:, None] * BLOCK_K + offs_k[None, :]
     b_w = tl.load(ws_w + ws_row * BLOCK_K + p_ck)
@@ -588,7 +694,12 @@ def _chain_step(S, c, c_first, live, counts, n64, bos, eos, i_hv, out, ws_q, ws_
     St = tl.trans(S)  # [BLOCK_K, BLOCK_V]
     b_U = b_u - _chain_dot(b_w, St, None, BF16_DOTS, DOT_PRECISION)  # [C, BLOCK_V]
     t0 = bos + (c - c_first) * C
-    if OUTPUTS:
+    if OUTPUTS == 2:  # as the products below would take them: the output kernel's bits are the same
+        tl.store(ws_h + ((c * HV + i_hv) * BLOCK_V_WS + offs_v[:, None]) * BLOCK_K + offs_k[None, :],
+                 S.to(ws_h.dtype.element_ty), mask=mask_s)
+        tl.store(ws_v + ws_row * BLOCK_V_WS + offs_c[:, None] * BLOCK_V_WS + offs_v[None, :],
+                 b_U.to(ws_v.dtype.element_ty), mask=mask_v[None, :])
+    if OUTPUTS == 1:
         b_qg = tl.load(ws_q + ws_row * BLOCK_K + p_ck)
         b_P = tl.load(ws_p + ws_row * C + offs_c[:, None] * C + offs_c[None, :],  # above the diagonal: unwritten
                       mask=offs_c[:, None] // 16 >= offs_c[None, :] // 16, other=0.0)
@@ -619,7 +730,7 @@ def _chain_step(S, c, c_first, live, counts, n64, bos, eos, i_hv, out, ws_q, ws_
 @triton.jit
 def _chunk_state_kernel(
     out, state, slot_indices, has_initial, cu_seqlens, chunk_first,
-    ws_q, ws_k, ws_w, ws_u, ws_p, ws_g, chunk_states, chunk_state_idx, errors, pieces_ws,
+    ws_q, ws_k, ws_w, ws_u, ws_p, ws_g, ws_h, ws_v, chunk_states, chunk_state_idx, errors, pieces_ws,
     num_slots, num_chunk_slots, T, max_chunks,
     stride_o_t, stride_o_h, stride_s_slot, stride_s_h, stride_s_v, stride_s_k,
     stride_cs_slot, stride_cs_h, stride_cs_v, stride_cs_k, stride_ci_n, stride_ci_j, chunk_idx_cols,
@@ -680,7 +791,7 @@ def _chunk_state_kernel(
         # bound is loaded, so it takes the while loop below: the same step).
         for c in tl.range(c_lo, c_hi, num_stages=PIPELINE_STAGES):
             S = _chain_step(S, c, c_first, live, counts, n64, bos, eos, i_hv, out, ws_q, ws_k, ws_w, ws_u, ws_p, ws_g,
-                            chunk_states, chunk_state_idx, errors, num_chunk_slots, chunk_idx_cols,
+                            ws_h, ws_v, chunk_states, chunk_state_idx, errors, num_chunk_slots, chunk_idx_cols,
                             stride_o_t, stride_o_h, stride_cs_slot, stride_cs_h, stride_cs_v, stride_cs_k,
                             stride_ci_n, stride_ci_j, offs_c, offs_k, offs_v, mask_v, mask_s,
                             HV, BLOCK_K, BLOCK_V_WS, C, HAS_CHUNK_STATES, DOT_PRECISION, INTERVAL, ERR_INDEX,
@@ -689,7 +800,7 @@ def _chunk_state_kernel(
         c = c_lo
         while c < c_hi:
             S = _chain_step(S, c, c_first, live, counts, n64, bos, eos, i_hv, out, ws_q, ws_k, ws_w, ws_u, ws_p, ws_g,
-                            chunk_states, chunk_state_idx, errors, num_chunk_slots, chunk_idx_cols,
+                            ws_h, ws_v, chunk_states, chunk_state_idx, errors, num_chunk_slots, chunk_idx_cols,
                             stride_o_t, stride_o_h, stride_cs_slot, stride_cs_h, stride_cs_v, stride_cs_k,
                             stride_ci_n, stride_ci_j, offs_c, offs_k, offs_v, mask_v, mask_s,
                             HV, BLOCK_K, BLOCK_V_WS, C, HAS_CHUNK_STATES, DOT_PRECISION, INTERVAL, ERR_INDEX,
@@ -701,6 +812,41 @@ def _chunk_state_kernel(
         # The piece that holds the sequence's last chunk (piece 0 of an empty one) ends it.
         last = (c_hi >= c_end) & ((c_lo < c_end) | (piece == 0))
         tl.store(p_state, S.to(state.dtype.element_ty), mask=mask_s & _bcast(live & last, mask_s))
+
+
+@triton.jit
+def _chunk_output_kernel(out, slot_indices, cu_seqlens, chunk_first, chunk_seq, ws_q, ws_p, ws_h, ws_v,
+                         num_seqs, num_slots, T, stride_o_t, stride_o_h,
+                         HV: tl.constexpr, V: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V_WS: tl.constexpr,
+                         BLOCK_V: tl.constexpr, C: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                         BF16_DOTS: tl.constexpr):
+    """A chunk's outputs ``o = (q̂ ⊙ e^Γ) S0ᵀ + P U`` from the start state and ``U`` the chain
+    stored (``OUTPUTS`` 2), one program per (V tile, value head, chunk): the products the
+    chain would have run, out of its serial loop. Zeros for a padding sequence."""
+    i_v, i_hv, i_c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    c64 = i_c.to(tl.int64)
+    t0, n_tok = _chunk_tokens(chunk_seq, chunk_first, cu_seqlens, i_c, num_seqs, T, C)
+    seq = tl.minimum(tl.load(chunk_seq + i_c), num_seqs - 1).to(tl.int64)
+    slot = tl.load(slot_indices + seq).to(tl.int64)
+    live = (slot >= 0) & (slot < num_slots)
+    offs_c = tl.arange(0, C)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_v = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask_v = offs_v < V
+    rows = offs_c < n_tok  # none past the plan's chunks
+    ws_row = (c64 * HV + i_hv) * C
+    b_qg = tl.load(ws_q + (ws_row + offs_c[:, None]) * BLOCK_K + offs_k[None, :], mask=rows[:, None], other=0.0)
+    b_P = tl.load(ws_p + (ws_row + offs_c[:, None]) * C + offs_c[None, :],  # above the diagonal: unwritten
+                  mask=rows[:, None] & (offs_c[:, None] // 16 >= offs_c[None, :] // 16), other=0.0)
+    b_S = tl.load(ws_h + ((c64 * HV + i_hv) * BLOCK_V_WS + offs_v[:, None]) * BLOCK_K + offs_k[None, :],
+                  mask=mask_v[:, None] & _bcast(n_tok > 0, mask_v[:, None]), other=0.0)
+    b_U = tl.load(ws_v + (ws_row + offs_c[:, None]) * BLOCK_V_WS + offs_v[None, :],
+                  mask=rows[:, None] & mask_v[None, :], other=0.0)
+    b_o = _chain_dot(b_qg, tl.trans(b_S), None, BF16_DOTS, DOT_PRECISION)
+    b_o = _chain_dot(b_P, b_U, b_o, BF16_DOTS, DOT_PRECISION)
+    b_o = tl.where(_bcast(live, b_o), b_o, 0.0)
+    tl.store(out + (t0 + offs_c)[:, None] * stride_o_t + i_hv * stride_o_h + offs_v[None, :],
+             b_o.to(out.dtype.element_ty), mask=rows[:, None] & mask_v[None, :])
 
 
 @triton.jit
@@ -737,6 +883,7 @@ def _chunk_pieces_kernel(state, slot_indices, has_initial, pieces_ws, starts, nu
 _chunk_prep = CachedKernel(_chunk_prep_kernel)
 _chunk_state = CachedKernel(_chunk_state_kernel)
 _chunk_pieces = CachedKernel(_chunk_pieces_kernel)
+_chunk_output = CachedKernel(_chunk_output_kernel)
 
 
 def chunk_plan(cu_seqlens: torch.Tensor, chunk: int, max_chunks: int, T: int | None = None):
@@ -799,7 +946,7 @@ def chunk_prefill_triton(q, k, v, g, beta, state, slot_indices, out, *, cu_seqle
     ws_p = torch.empty(rows, C, dtype=torch.float32, device=dev)
     ws_a = torch.empty(rows, C, dtype=torch.float32, device=dev)
     ws_g = torch.empty(max_chunks * HV, BK, dtype=torch.float32, device=dev)
-    # the row norms of k and q, kept for the later phases (qk_from_input with the L2 norm)
+    # the reciprocal row norms of k and q, kept for the later phases (qk_from_input with the L2 norm)
     ws_n = torch.empty(rows, 2, dtype=torch.float32, device=dev) if cfg.qk_from_input and use_qk_l2norm else ws_g
     gate = A_log is not None
     if lower_bound is None:
@@ -817,7 +964,8 @@ def chunk_prefill_triton(q, k, v, g, beta, state, slot_indices, out, *, cu_seqle
                            USE_QK_L2NORM=bool(use_qk_l2norm), GATE_IN_KERNEL=gate, SAFE_GATE=lower_bound is not None,
                            BETA_MODE=int(beta_mode), DOT_PRECISION=cfg.dot_precision,
                            QK_FROM_INPUT=bool(cfg.qk_from_input), INVERSE_BY_DOUBLING=cfg.inverse == "doubling",
-                           DIAGONAL_INVERTED=diagonal_programs)
+                           DIAGONAL_INVERTED=diagonal_programs, PRODUCTS_BY_SLICE=cfg.products == "by_slice",
+                           FACTORS_IN_PLACE=f_w is ws_w or (not cfg.qk_from_input and (f_q is ws_q or f_k is ws_k)))
     if cfg.split_prep:
         rest = ([4, _DIAGONAL, 8, 16] if diagonal_programs else [4, 8, 16]) if cfg.split_rest else [4 | 8 | 16]
         launches = [((max_chunks, HV), 1, False), ((max_chunks, HV, C // SUB), 2, True),
@@ -828,19 +976,26 @@ def chunk_prefill_triton(q, k, v, g, beta, state, slot_indices, out, *, cu_seqle
         if phases is _DIAGONAL:
             diagonal_inverse((max_chunks, HV, C // SUB), (ws_a,), dict(HV=HV, C=C), num_warps=1, num_stages=1)
         else:
+            warps = cfg.factors_warps if phases == 16 and cfg.factors_warps else cfg.prep_warps
             _chunk_prep(grid, prep_args, dict(prep_constexprs, PHASES=phases, SUB_BLOCK_PROGRAMS=per_sub_block),
-                        num_warps=cfg.prep_warps, num_stages=1)
+                        num_warps=warps, num_stages=1)
     has_cs = chunk_states is not None
     cs = chunk_states if has_cs else state
     ci = chunk_state_indices if has_cs else slot_indices
     ci_cols = ci.shape[1] if has_cs else 0
+    # Outputs after the chain (one piece only): the chain stores each chunk's start state and U
+    # in the dtype its products take (bf16 with bf16 products) for _chunk_output_kernel.
+    after = cfg.outputs == "after_chain" and cfg.chain_pieces <= 1
+    bf16_dots = (2 if interpreting() else 1) if cfg.chain_dot_dtype == "bfloat16" else 0
+    h_dtype = torch.bfloat16 if bf16_dots else torch.float32
+    ws_h = torch.empty(max_chunks * HV, BVW, BK, dtype=h_dtype, device=dev) if after else ws_g
+    ws_v = torch.empty(rows, BVW, dtype=h_dtype, device=dev) if after else ws_g
     state_args = (out, state, slot_indices, has_initial_state if has_initial_state is not None else slot_indices,
-                  cu_seqlens, first, f_q, f_k, f_w, ws_u, ws_p, ws_g, cs, ci, errors.counters(q.device))
+                  cu_seqlens, first, f_q, f_k, f_w, ws_u, ws_p, ws_g, ws_h, ws_v, cs, ci, errors.counters(q.device))
     state_tail = (state.shape[0], cs.shape[0], T, max_chunks,
                   out.stride(1), out.stride(2), *state.stride(), *cs.stride(),
                   ci.stride(0), ci.stride(1) if has_cs else 0, ci_cols)
-    # bf16 chain products: native bf16 dots, or (interpreter) their emulation (_chain_dot)
-    bf16_dots = (2 if interpreting() else 1) if cfg.chain_dot_dtype == "bfloat16" else 0
+    # bf16 chain products (bf16_dots): native bf16 dots, or (interpreter) their emulation (_chain_dot)
     state_constexprs = dict(H=H, HV=HV, K=K, V=V, BLOCK_K=BK, BLOCK_V_WS=BVW, BLOCK_V=block_v, C=C,
                             HAS_INITIAL_FLAGS=has_initial_state is not None, HAS_CHUNK_STATES=has_cs,
                             DOT_PRECISION=cfg.dot_precision, BF16_DOTS=bf16_dots,
@@ -849,15 +1004,23 @@ def chunk_prefill_triton(q, k, v, g, beta, state, slot_indices, out, *, cu_seqle
     P = cfg.chain_pieces
     if P <= 1:
         _chunk_state((cdiv(V, block_v), HV, N), (*state_args, state, *state_tail),
-                     dict(state_constexprs, PIECES=1, MODE=0, ROWS=V, OUTPUTS=True),
+                     dict(state_constexprs, PIECES=1, MODE=0, ROWS=V, OUTPUTS=2 if after else 1),
                      num_warps=cfg.state_warps, num_stages=1)
+        if after:
+            bv_out = min(cfg.output_block_v, BVW)
+            _chunk_output((cdiv(V, bv_out), HV, max_chunks),
+                          (out, slot_indices, cu_seqlens, first, seq, f_q, ws_p, ws_h, ws_v, N, state.shape[0], T,
+                           out.stride(1), out.stride(2)),
+                          dict(HV=HV, V=V, BLOCK_K=BK, BLOCK_V_WS=BVW, BLOCK_V=bv_out, C=C,
+                               DOT_PRECISION=cfg.dot_precision, BF16_DOTS=bf16_dots),
+                          num_warps=cfg.output_warps, num_stages=1)
         return out
     # The chain cut into P pieces of a sequence: each piece's transition (in parallel), the
     # start states (serial over the pieces, one product each), then each piece's outputs.
     transitions = torch.empty(N * P, HV, V + K, K, dtype=torch.float32, device=dev)
     starts = torch.empty(N * P, HV, V, K, dtype=torch.float32, device=dev)
     _chunk_state((cdiv(V + K, block_v), HV, N * P), (*state_args, transitions, *state_tail),
-                 dict(state_constexprs, HAS_CHUNK_STATES=False, PIECES=P, MODE=1, ROWS=V + K, OUTPUTS=False),
+                 dict(state_constexprs, HAS_CHUNK_STATES=False, PIECES=P, MODE=1, ROWS=V + K, OUTPUTS=0),
                  num_warps=cfg.state_warps, num_stages=1)
     _chunk_pieces((cdiv(V, 32), HV, N),
                   (state, slot_indices, has_initial_state if has_initial_state is not None else slot_indices,
@@ -866,7 +1029,7 @@ def chunk_prefill_triton(q, k, v, g, beta, state, slot_indices, out, *, cu_seqle
                        HAS_INITIAL_FLAGS=has_initial_state is not None, DOT_PRECISION=cfg.dot_precision),
                   num_warps=8, num_stages=1)
     _chunk_state((cdiv(V, block_v), HV, N * P), (*state_args, starts, *state_tail),
-                 dict(state_constexprs, PIECES=P, MODE=2, ROWS=V, OUTPUTS=True),
+                 dict(state_constexprs, PIECES=P, MODE=2, ROWS=V, OUTPUTS=1),
                  num_warps=cfg.state_warps, num_stages=1)
     return out
 
