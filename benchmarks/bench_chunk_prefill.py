@@ -161,7 +161,7 @@ def correctness(results, quick=False, configs=None):
         if with_ref:
             row["kdakit_out_err"] = rel(ours_out, ref_out)
             row["kdakit_state_err"] = rel(ours_pool[live], ref_pool[live])
-            picked = chunk_config(len(lens), HV, 128, 128, act_dtype=layer["q"].dtype)
+            picked = chunk_config(len(lens), HV, 128, 128, act_dtype=layer["q"].dtype, T=sum(lens))
             for cfg in dict.fromkeys(harness.parse_configs(configs, ChunkConfig, base=picked)):
                 if cfg == picked:
                     continue
@@ -223,7 +223,7 @@ def timings(results, names, sweep, configs=None):
             layers = [make_layer(lens, H, HV, K, V, seed=i) for i in range(2)]
             base = {"case": name, "T": T, "N": len(lens), "H": H, "HV": HV, "gate": "safe" if lb else "softplus"}
             variants = [("kdakit", lambda layer: kdakit_call(layer, lb))]
-            picked = chunk_config(len(lens), HV, K, V, act_dtype=torch.bfloat16)
+            picked = chunk_config(len(lens), HV, K, V, act_dtype=torch.bfloat16, T=T)
             text = configs if configs else (SWEEP + (SWEEP_FEW_CHAINS if len(lens) * HV <= 64 else "")
                                             + (SWEEP_SAFE if lb is not None else "")) if sweep else None
             for cfg in dict.fromkeys(harness.parse_configs(text, ChunkConfig, base=picked)):  # no repeats
@@ -249,7 +249,7 @@ def timings(results, names, sweep, configs=None):
                 r = {"name": vname, **base, "ms": round(ms, 4), "tokens_per_s": round(T / (us * 1e-6)),
                      "TFLOP/s": round(tflops, 2), "timing": how}
                 if vname == "kdakit":
-                    r["config"] = str(chunk_config(len(lens), HV, K, V, act_dtype=torch.bfloat16))
+                    r["config"] = str(chunk_config(len(lens), HV, K, V, act_dtype=torch.bfloat16, T=T))
                 results["rows"].append(r)
                 print(r, flush=True)
             del layers

@@ -208,8 +208,22 @@ CASES.update({
     "tree_verify-ring": lambda s: _tree_case(s, "ring"),
     "commit_tree_ring": commit_tree_ring_case,
 })
+def chunk_prefill_long_case(seed):
+    """One sequence of 4100 tokens on two value heads: few long chains, so the picked config
+    takes the outputs after the chain (its own launch); a second sequence is a padding row."""
+    g = _gen(seed)
+    H, HVp, Kp, Vp, T = 1, 2, 16, 16, 4100
+    args = (_rnd(g, 1, T, H, Kp, dtype=BF16), _rnd(g, 1, T, H, Kp, dtype=BF16), _rnd(g, 1, T, HVp, Vp, dtype=BF16),
+            _rnd(g, 1, T, HVp, Kp, dtype=BF16), _rnd(g, 1, T, HVp, dtype=BF16), _rnd(g, SLOTS, HVp, Vp, Kp, s=0.5),
+            _slots(seed, 2))
+    kw = dict(cu_seqlens=_idx(0, T, T), A_log=torch.rand(HVp, device=DEV, generator=g), dt_bias=_rnd(g, HVp * Kp, s=0.5),
+              beta_is_logit=True, out=torch.zeros(1, T, HVp, Vp, dtype=BF16, device=DEV))
+    return kdakit.chunk_prefill, args, kw
+
+
 CASES.update({f"{name}-example": (lambda seed, op=op: op.example(seed, device=DEV)) for name, op in OPS.items()
               if not any(case == name or case.startswith(name + "-") for case in CASES)})
+CASES["chunk_prefill-long"] = chunk_prefill_long_case  # beside the example, which takes the other output path
 
 
 # ----------------------------------------------------------------------------

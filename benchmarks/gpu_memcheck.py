@@ -13,6 +13,7 @@ allocation and memcheck reports it. Prints a table last; exits 1 when a check fa
 """
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
@@ -37,9 +38,12 @@ INDEX_ARGS = {
     "tree_verify-snapshot": [(("arg", 8), SLOTS, ("arg", 8)), (("arg", 9), 4, ("arg", 8))],
     "tree_verify-ring": [(("arg", 8), SLOTS, ("arg", 8)), (("arg", 9), 4, ("arg", 8))],
     "commit_tree_ring": [(("arg", 5), SLOTS, ("arg", 5))],
+    "chunk_prefill-long": [(("arg", 6), SLOTS, ("arg", 6))],
+    "chunk_prefill-example": [(("arg", 6), 5, ("arg", 6))],
 }
 OP_NAMES = {"mtp_verify-snapshot": "mtp_verify", "mtp_verify-ring": "mtp_verify",
-            "tree_verify-snapshot": "tree_verify", "tree_verify-ring": "tree_verify"}
+            "tree_verify-snapshot": "tree_verify", "tree_verify-ring": "tree_verify",
+            "chunk_prefill-long": "chunk_prefill", "chunk_prefill-example": "chunk_prefill"}
 
 
 def _get(args, kw, where):
@@ -63,10 +67,14 @@ def run(build, seed, edit=None, skip=()):
     return [t for t in tensors_of(args, kw) if id(t) not in edited]
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ops", default="", help="comma-separated subset of: " + ", ".join(CASES))
+    names = [n for n in parser.parse_args(argv).ops.split(",") if n] or list(CASES)
     rows, failed = [], False
     kdakit.take_errors()
-    for name, build in CASES.items():
+    for name in names:
+        build = CASES[name]
         run(build, 1)
         errors = kdakit.take_errors()
         rows.append((name, "valid", "ok" if not errors else f"counted {errors}"))

@@ -73,7 +73,7 @@ def main():
     for case in args.cases.split(","):
         L = make_layer(CASES[case], args.H, args.H, 128, 128)
         N = len(CASES[case])
-        base = chunk_config(N, args.H, 128, 128, act_dtype=torch.bfloat16)
+        base = chunk_config(N, args.H, 128, 128, act_dtype=torch.bfloat16, T=sum(CASES[case]))
         variants = {"picked": base}
         for cfg in harness.parse_configs(args.configs, ChunkConfig, base=base):
             variants.setdefault(harness.config_name(cfg, base), cfg)

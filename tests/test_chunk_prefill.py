@@ -631,6 +631,13 @@ def test_picked_config_follows_the_activations():
     assert (f32.factor_dtype, f32.chain_dot_dtype) == ("float32", "float32")
     assert all(c.qk_from_input and c.split_prep and c.split_rest for c in (many, one, few_heads, f32))
     assert all(c.inverse == "doubling" and c.diagonal_programs for c in (many, one, few_heads, f32))
+    assert all(c.products == "by_slice" and c.outputs == "in_chain" for c in (many, one, few_heads, f32))
+    # outputs after the chain: few chain programs (<= 64), each at least 4096 tokens long
+    long_few = chunk_config(1, 8, 128, 128, act_dtype=torch.bfloat16, T=32768)
+    assert (long_few.outputs, long_few.block_v) == ("after_chain", 16)
+    assert chunk_config(1, 8, 128, 128, act_dtype=torch.bfloat16, T=4095).outputs == "in_chain"
+    assert chunk_config(1, 32, 128, 128, act_dtype=torch.bfloat16, T=8192).outputs == "in_chain"  # 128 chains
+    assert chunk_config(2, 4, 128, 128, act_dtype=torch.bfloat16, T=8192).outputs == "after_chain"
 
 
 def test_zz_print_errors():

@@ -167,8 +167,14 @@ class ChunkConfig:
                                  f"(got {getattr(self, name)!r}).")
 
 
+# Outputs after the chain where the chains are few and long: at most this many chain programs
+# (sequences x value heads x V tiles) and at least OUTPUTS_AFTER_FROM_TOKENS tokens a sequence.
+OUTPUTS_AFTER_MAX_CHAINS = 64
+OUTPUTS_AFTER_FROM_TOKENS = 4096
+
+
 def chunk_config(N: int, HV: int, K: int, V: int, chunk: int = CHUNK_SIZE,
-                 act_dtype: torch.dtype = torch.float32) -> ChunkConfig:
+                 act_dtype: torch.dtype = torch.float32, T: int = 0) -> ChunkConfig:
     """Pinned from shapes (no autotuning in a serving call). The state kernel's V tile: the
     widest of 64 / 32 / 16 rows that still gives about two programs per SM of an H200
     (132 SMs) in the serial chain (a long sequence with few heads needs narrow tiles to
@@ -180,7 +186,10 @@ def chunk_config(N: int, HV: int, K: int, V: int, chunk: int = CHUNK_SIZE,
     is built by doubling (``inverse``), and the chain's factors are stored in the
     activations' dtype when that is bf16 (``factor_dtype``; float32 otherwise), as fla stores
     its w and u: the chain streams half the bytes and its kernel holds fewer registers, and the
-    call stays more accurate against float64 than fla's (docs/tuning.md, "chunk_prefill")."""
+    call stays more accurate against float64 than fla's (docs/tuning.md, "chunk_prefill").
+    The A and P products run by K slice (``products``). Few long chains (``T`` tokens over the
+    ``N`` sequences) take their outputs after the chain (``outputs``): the serial loop then
+    runs two products a chunk instead of four."""
     wide = max(K, V) > 128  # head dims up to 256: 32-token chunks and V tiles of <= 32 rows keep tiles in budget
     if wide:
         chunk = min(chunk, 32)
@@ -200,12 +209,15 @@ def chunk_config(N: int, HV: int, K: int, V: int, chunk: int = CHUNK_SIZE,
     # Otherwise two chunks in flight only for the narrowest V tile (wider float32 ones exceed the
     # shared memory); 4 warps there, 8 for the widest.
     bf16_dots = bf16 and block_v >= BF16_DOTS_MIN_BLOCK_V
+    chains = N * HV * cdiv(V, block_v)
+    after = chains <= OUTPUTS_AFTER_MAX_CHAINS and T >= OUTPUTS_AFTER_FROM_TOKENS * max(N, 1)
     return ChunkConfig(chunk=chunk, block_v=block_v, prep_warps=4,
                        state_warps=8 if block_v >= 64 or bf16_dots else 4,
                        pipeline_stages=2 if block_v <= 16 or bf16_dots else 1, split_prep=True, split_rest=True,
                        qk_from_input=True, factor_dtype="bfloat16" if bf16 else "float32",
                        chain_dot_dtype="bfloat16" if bf16_dots else "float32", inverse="doubling",
-                       diagonal_programs=True, products="by_slice" if chunk <= 64 else "by_block")
+                       diagonal_programs=True, products="by_slice" if chunk <= 64 else "by_block",
+                       outputs="after_chain" if after else "in_chain")
 
 
 @triton.jit
@@ -918,7 +930,7 @@ def chunk_prefill_triton(q, k, v, g, beta, state, slot_indices, out, *, cu_seqle
     N = cu_seqlens.numel() - 1
     if N == 0 or HV == 0:
         return out
-    cfg = config or chunk_config(N, HV, K, V, act_dtype=q.dtype)
+    cfg = config or chunk_config(N, HV, K, V, act_dtype=q.dtype, T=T)
     C = cfg.chunk
     if chunk_states is not None and chunk_state_interval % C:
         raise ValueError(f"chunk_state_interval={chunk_state_interval} must be a multiple of the chunk ({C}).")
