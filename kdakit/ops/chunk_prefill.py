@@ -64,6 +64,14 @@ The kernels:
    ``[V, K] x [K, K]`` product each) for their start states; then the same kernel runs every
    piece's outputs from its start, the last piece writing the final state. About twice the
    chain's products, in P times as many programs: one long sequence with few heads.
+3. With ``ChunkConfig.outputs="after_chain"`` (picked for few long chains) the chain stores
+   each chunk's start state and ``U`` instead of its outputs, and ``_chunk_output_kernel``,
+   one program per (V tile, value head, chunk), computes them token-parallel: the serial
+   loop runs two of its four products. The same products on the same operands: the same bits.
+
+In the prep's products launch (``ChunkConfig.products="by_slice"``, picked) the K slices are
+the outer loop: each slice of k̂, q̂ and Γ is loaded once and feeds every column block's
+product (``_pair_products_by_slice``), in the order the by-block form sums them.
 
 Matrix products use ``tl.dot`` with ``input_precision="tf32"`` by default (one TF32 pass on
 tensor cores: more accurate than fla's bf16 products on the same inputs, and 2.4x faster
