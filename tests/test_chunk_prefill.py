@@ -514,6 +514,34 @@ def test_split_rest_equals_one_rest_launch_bitwise(monkeypatch):
     assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
 
 
+def test_inverse_with_factors_equal_apart_bitwise(monkeypatch):
+    """``ChunkConfig.inverse_with_factors``: the inverse and w, u in one launch give the bits of
+    the two launches; a steep sub-block, GVA, sequences off the chunk grid."""
+    from kdakit.ops import chunk_prefill as module
+    H, HV, K, V = 1, 2, 16, 16
+    x, A_log, dt_bias, cu, state, T = make_case(H, HV, K, V, [37, 1, 20], seed=14, extra_tokens=1)
+    x["g"][0, 2:12, :, : K // 4] = 30.0
+    idx = torch.tensor([1, 4, 0], dtype=torch.int32)
+    got, phases = [], []
+    prep = module._chunk_prep
+
+    def counting_prep(grid, args, constexprs, **kw):
+        phases[-1].append(constexprs["PHASES"])
+        return prep(grid, args, constexprs, **kw)
+    monkeypatch.setattr(module, "_chunk_prep", counting_prep)
+    for together in (False, True):
+        pool = state.clone()
+        out = torch.full((1, T, HV, V), POISON)
+        phases.append([])
+        run_triton(x, A_log, dt_bias, cu, pool, idx, out,
+                   ChunkConfig(chunk=32, block_v=16, dot_precision="ieee", split_prep=True, split_rest=True,
+                               inverse="doubling", diagonal_programs=True, inverse_with_factors=together))
+        got.append((out, pool))
+    assert phases == [[1, 2, 4, 8, 16], [1, 2, 4, 24]], phases
+    assert torch.isfinite(got[0][0][:, :58]).all()
+    assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
+
+
 @pytest.mark.parametrize("chain_dots", ["float32", "bfloat16"])
 def test_outputs_after_chain_equal_in_chain_bitwise(chain_dots):
     """``ChunkConfig.outputs="after_chain"``: the chain stores each chunk's start state and U

@@ -161,6 +161,8 @@ class ChunkConfig:
     output_block_v: int = 64         # after_chain: V rows of an output program
     output_warps: int = 4
     factors_warps: int = 0           # warps of the w and u launch (with split_rest; 0: prep_warps)
+    inverse_with_factors: bool = False  # with split_rest: the inverse and w, u as one launch (the inverse
+    #                                     read back from L1/L2 by the program that wrote it)
     products: str = "by_block"       # the A and P products: "by_block" (a column block at a time, every K
     #                                  slice of k, q and Γ loaded again for each) or "by_slice" (every
     #                                  column block's product accumulated per K slice, each slice loaded
@@ -987,7 +989,8 @@ def chunk_prefill_triton(q, k, v, g, beta, state, slot_indices, out, *, cu_seqle
                            DIAGONAL_INVERTED=diagonal_programs, PRODUCTS_BY_SLICE=cfg.products == "by_slice",
                            FACTORS_IN_PLACE=f_w is ws_w or (not cfg.qk_from_input and (f_q is ws_q or f_k is ws_k)))
     if cfg.split_prep:
-        rest = ([4, _DIAGONAL, 8, 16] if diagonal_programs else [4, 8, 16]) if cfg.split_rest else [4 | 8 | 16]
+        tail = [8 | 16] if cfg.inverse_with_factors else [8, 16]
+        rest = ([4, _DIAGONAL, *tail] if diagonal_programs else [4, *tail]) if cfg.split_rest else [4 | 8 | 16]
         launches = [((max_chunks, HV), 1, False), ((max_chunks, HV, C // SUB), 2, True),
                     *[((max_chunks, HV), phases, False) for phases in rest]]
     else:
@@ -996,7 +999,7 @@ def chunk_prefill_triton(q, k, v, g, beta, state, slot_indices, out, *, cu_seqle
         if phases is _DIAGONAL:
             diagonal_inverse((max_chunks, HV, C // SUB), (ws_a,), dict(HV=HV, C=C), num_warps=1, num_stages=1)
         else:
-            warps = cfg.factors_warps if phases == 16 and cfg.factors_warps else cfg.prep_warps
+            warps = cfg.factors_warps if phases in (16, 8 | 16) and cfg.factors_warps else cfg.prep_warps
             _chunk_prep(grid, prep_args, dict(prep_constexprs, PHASES=phases, SUB_BLOCK_PROGRAMS=per_sub_block),
                         num_warps=warps, num_stages=1)
     has_cs = chunk_states is not None
