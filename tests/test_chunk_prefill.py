@@ -640,7 +640,7 @@ def test_bf16_chain_products_refuse_16_row_tiles_and_configs_check_their_strings
                    ChunkConfig(chunk=32, block_v=32, factor_dtype="bfloat16", chain_dot_dtype="bfloat16"))
     assert torch.equal(state, before) and (out == POISON).all()
     for field, bad in (("factor_dtype", "bf16"), ("chain_dot_dtype", "bf16"), ("dot_precision", "fp32"),
-                       ("inverse", "newton")):
+                       ("inverse", "newton"), ("products", "by_row"), ("outputs", "after")):
         with pytest.raises(ValueError, match=f"ChunkConfig.{field} must be one of"):
             ChunkConfig(**{field: bad})
 
