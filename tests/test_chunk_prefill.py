@@ -487,14 +487,11 @@ def test_qk_from_input_equals_the_workspace_bitwise(split_prep, l2norm):
     assert (got[1][0][:, 94:] == POISON).all()
 
 
-def test_split_rest_equals_one_rest_launch_bitwise(monkeypatch):
-    """``ChunkConfig.split_rest``: the prep's last launch as three (products, inverse, w and u)
-    gives the same bits as one; GVA, a steep sub-block, sequences off the chunk grid."""
+def run_recording_prep_launches(monkeypatch, case, idx, configs):
+    """Each config's (out, pool) on ``case``, and the PHASES of its prep launches in order."""
     from kdakit.ops import chunk_prefill as module
-    H, HV, K, V = 1, 2, 32, 16
-    x, A_log, dt_bias, cu, state, T = make_case(H, HV, K, V, [45, 1, 30], seed=9, extra_tokens=2)
-    x["g"][0, 5:20, :, : K // 4] = 30.0  # a steep sub-block under the default gate
-    idx = torch.tensor([2, 5, 0], dtype=torch.int32)
+    x, A_log, dt_bias, cu, state, T = case
+    HV, V = x["v"].shape[2:]
     got, phases = [], []
     prep = module._chunk_prep
 
@@ -502,13 +499,25 @@ def test_split_rest_equals_one_rest_launch_bitwise(monkeypatch):
         phases[-1].append(constexprs["PHASES"])
         return prep(grid, args, constexprs, **kw)
     monkeypatch.setattr(module, "_chunk_prep", counting_prep)
-    for split_rest in (False, True):
+    for config in configs:
         pool = state.clone()
         out = torch.full((1, T, HV, V), POISON)
         phases.append([])
-        run_triton(x, A_log, dt_bias, cu, pool, idx, out,
-                   ChunkConfig(chunk=32, block_v=16, dot_precision="ieee", split_prep=True, split_rest=split_rest))
+        run_triton(x, A_log, dt_bias, cu, pool, idx, out, config)
         got.append((out, pool))
+    return got, phases
+
+
+def test_split_rest_equals_one_rest_launch_bitwise(monkeypatch):
+    """``ChunkConfig.split_rest``: the prep's last launch as three (products, inverse, w and u)
+    gives the same bits as one; GVA, a steep sub-block, sequences off the chunk grid."""
+    H, HV, K, V = 1, 2, 32, 16
+    case = make_case(H, HV, K, V, [45, 1, 30], seed=9, extra_tokens=2)
+    case[0]["g"][0, 5:20, :, : K // 4] = 30.0  # a steep sub-block under the default gate
+    got, phases = run_recording_prep_launches(
+        monkeypatch, case, torch.tensor([2, 5, 0], dtype=torch.int32),
+        [ChunkConfig(chunk=32, block_v=16, dot_precision="ieee", split_prep=True, split_rest=split_rest)
+         for split_rest in (False, True)])
     assert phases == [[1, 2, 28], [1, 2, 4, 8, 16]], phases
     assert torch.isfinite(got[0][0][:, :76]).all()
     assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
@@ -517,26 +526,14 @@ def test_split_rest_equals_one_rest_launch_bitwise(monkeypatch):
 def test_inverse_with_factors_equal_apart_bitwise(monkeypatch):
     """``ChunkConfig.inverse_with_factors``: the inverse and w, u in one launch give the bits of
     the two launches; a steep sub-block, GVA, sequences off the chunk grid."""
-    from kdakit.ops import chunk_prefill as module
     H, HV, K, V = 1, 2, 16, 16
-    x, A_log, dt_bias, cu, state, T = make_case(H, HV, K, V, [37, 1, 20], seed=14, extra_tokens=1)
-    x["g"][0, 2:12, :, : K // 4] = 30.0
-    idx = torch.tensor([1, 4, 0], dtype=torch.int32)
-    got, phases = [], []
-    prep = module._chunk_prep
-
-    def counting_prep(grid, args, constexprs, **kw):
-        phases[-1].append(constexprs["PHASES"])
-        return prep(grid, args, constexprs, **kw)
-    monkeypatch.setattr(module, "_chunk_prep", counting_prep)
-    for together in (False, True):
-        pool = state.clone()
-        out = torch.full((1, T, HV, V), POISON)
-        phases.append([])
-        run_triton(x, A_log, dt_bias, cu, pool, idx, out,
-                   ChunkConfig(chunk=32, block_v=16, dot_precision="ieee", split_prep=True, split_rest=True,
-                               inverse="doubling", diagonal_programs=True, inverse_with_factors=together))
-        got.append((out, pool))
+    case = make_case(H, HV, K, V, [37, 1, 20], seed=14, extra_tokens=1)
+    case[0]["g"][0, 2:12, :, : K // 4] = 30.0
+    got, phases = run_recording_prep_launches(
+        monkeypatch, case, torch.tensor([1, 4, 0], dtype=torch.int32),
+        [ChunkConfig(chunk=32, block_v=16, dot_precision="ieee", split_prep=True, split_rest=True,
+                     inverse="doubling", diagonal_programs=True, inverse_with_factors=together)
+         for together in (False, True)])
     assert phases == [[1, 2, 4, 8, 16], [1, 2, 4, 24]], phases
     assert torch.isfinite(got[0][0][:, :58]).all()
     assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
