@@ -229,7 +229,7 @@ def chunk_config(N: int, HV: int, K: int, V: int, chunk: int = CHUNK_SIZE,
                        pipeline_stages=2 if block_v <= 16 or bf16_dots else 1, split_prep=True, split_rest=True,
                        qk_from_input=True, factor_dtype="bfloat16" if bf16 else "float32",
                        chain_dot_dtype="bfloat16" if bf16_dots else "float32", inverse="doubling",
-                       diagonal_programs=True, products="by_slice" if chunk <= 64 else "by_block",
+                       diagonal_programs=True, products="by_slice",
                        outputs="after_chain" if after else "in_chain")
 
 
