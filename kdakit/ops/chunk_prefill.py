@@ -264,7 +264,7 @@ def _chunk_prep_kernel(
     # each kernel holds fewer registers, so more programs share an SM. SUB_BLOCK_PROGRAMS:
     # one program per sub-block (program_id 2) instead of a loop over them. QK_FROM_INPUT:
     # the first phase keeps each row's reciprocal norms of k and q (ws_n), and the later phases read
-    # q and k from the inputs and divide as the first phase would have (_unit_rows).
+    # q and k from the inputs and scale them as the first phase would have (_unit_rows).
     # f_q, f_k, f_w (and ws_u): where the chain's factors go, in their dtype; float32 ones
     # are ws_q, ws_k, ws_w themselves, written over q̂, k̂ and Γ.
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
