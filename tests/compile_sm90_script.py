@@ -189,7 +189,7 @@ for chain_dots in ("bfloat16", "float32"):  # the products by K slice; the outpu
                          config=ChunkConfig(block_v=32, state_warps=8, split_prep=True, split_rest=True,
                                             qk_from_input=True, factor_dtype="bfloat16", chain_dot_dtype=chain_dots,
                                             inverse="doubling", diagonal_programs=True, products="by_slice",
-                                            factors_warps=8, outputs="after_chain"))
+                                            inverse_with_factors=True, outputs="after_chain"))
     assert COMPILED_FOR_TARGET[-3:] == ["_chunk_prep_kernel", "_chunk_state_kernel", "_chunk_output_kernel"], \
         COMPILED_FOR_TARGET[-3:]
 chunk_prefill_triton(*xp, state, torch.tensor([1, 2], dtype=torch.int32), torch.empty(1, Tp, HV, V, dtype=bf),

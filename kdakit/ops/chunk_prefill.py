@@ -163,7 +163,6 @@ class ChunkConfig:
     #                                  products and its q̂, P loads out of the serial loop; one piece only)
     output_block_v: int = 64         # after_chain: V rows of an output program
     output_warps: int = 4
-    factors_warps: int = 0           # warps of the w and u launch (with split_rest; 0: prep_warps)
     inverse_with_factors: bool = False  # with split_rest: the inverse and w, u as one launch (the inverse
     #                                     read back from L1/L2 by the program that wrote it)
     products: str = "by_block"       # the A and P products: "by_block" (a column block at a time, every K
@@ -882,9 +881,8 @@ def chunk_prefill_triton(q, k, v, g, beta, state, slot_indices, out, *, cu_seqle
         if phases is _DIAGONAL:
             diagonal_inverse((max_chunks, HV, C // SUB), (ws_a,), dict(HV=HV, C=C), num_warps=1, num_stages=1)
         else:
-            warps = cfg.factors_warps if phases in (16, 8 | 16) and cfg.factors_warps else cfg.prep_warps
             _chunk_prep(grid, prep_args, dict(prep_constexprs, PHASES=phases, SUB_BLOCK_PROGRAMS=per_sub_block),
-                        num_warps=warps, num_stages=1)
+                        num_warps=cfg.prep_warps, num_stages=1)
     has_cs = chunk_states is not None
     cs = chunk_states if has_cs else state
     ci = chunk_state_indices if has_cs else slot_indices
