@@ -35,7 +35,7 @@ import torch
 
 from kdakit import reference
 from kdakit.bench import harness
-from kdakit.bench.prefill import CASES, QUICK, flops_per_token_head, make_layer  # one input builder
+from kdakit.bench.prefill import CASES, flops_per_token_head, make_layer, parse_cases  # one input builder
 from kdakit.ops.chunk_prefill import ChunkConfig, chunk_config, chunk_prefill, chunk_prefill_triton
 
 DEV = "cuda"
@@ -269,11 +269,11 @@ def main():
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
         return 2
+    names = parse_cases(args.cases, args.quick)  # an unknown case name stops the run before the checks
     t0 = time.time()
     results = harness.new_results()
     ok = True if args.skip_checks else correctness(results, quick=args.quick, configs=args.configs)
     results["checks_ok"] = ok
-    names = args.cases.split(",") if args.cases else (QUICK if args.quick else tuple(CASES))
     timings(results, names, args.sweep, args.configs)
     harness.close_results(results)
     results["wall_s"] = round(time.time() - t0, 1)

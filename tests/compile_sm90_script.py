@@ -147,10 +147,11 @@ chunk_prefill_triton(*xp[:3], -torch.rand(1, Tp, HV, K), xp[4], state, torch.ten
                      torch.empty(1, Tp, HV, V, dtype=bf), cu_seqlens=cu_p, scale=0.1, use_qk_l2norm=True, A_log=None,
                      dt_bias=None, lower_bound=None, beta_mode=2, has_initial_state=None, chunk_states=None,
                      chunk_state_indices=None, config=ChunkConfig(chunk=32, block_v=64, prep_warps=4, pipeline_stages=3))
-# the picked config runs the prep as five launches and the diagonal inverses; the given one as one
-PICKED_PREP = ["_chunk_prep_kernel"] * 3 + ["_diagonal_inverse_kernel"] + ["_chunk_prep_kernel"] * 2
-assert COMPILED_FOR_TARGET[-16:] == (PICKED_PREP + ["_chunk_state_kernel"]) * 2 + [
-    "_chunk_prep_kernel", "_chunk_state_kernel"], COMPILED_FOR_TARGET[-16:]
+# the picked config runs the prep as six launches (the products as two) and the diagonal inverses;
+# the given one as one
+PICKED_PREP = ["_chunk_prep_kernel"] * 4 + ["_diagonal_inverse_kernel"] + ["_chunk_prep_kernel"] * 2
+assert COMPILED_FOR_TARGET[-18:] == (PICKED_PREP + ["_chunk_state_kernel"]) * 2 + [
+    "_chunk_prep_kernel", "_chunk_state_kernel"], COMPILED_FOR_TARGET[-18:]
 chunk_prefill_triton(*xp, state, torch.tensor([1, 2], dtype=torch.int32), torch.empty(1, Tp, HV, V, dtype=bf),
                      cu_seqlens=cu_p, scale=0.1, use_qk_l2norm=True, A_log=A_log, dt_bias=dt_bias, lower_bound=None,
                      beta_mode=1, has_initial_state=None, chunk_states=None, chunk_state_indices=None,
@@ -189,9 +190,19 @@ for chain_dots in ("bfloat16", "float32"):  # the products by K slice; the outpu
                          config=ChunkConfig(block_v=32, state_warps=8, split_prep=True, split_rest=True,
                                             qk_from_input=True, factor_dtype="bfloat16", chain_dot_dtype=chain_dots,
                                             inverse="doubling", diagonal_programs=True, products="by_slice",
-                                            inverse_with_factors=True, outputs="after_chain"))
+                                            outputs="after_chain"))
     assert COMPILED_FOR_TARGET[-3:] == ["_chunk_prep_kernel", "_chunk_state_kernel", "_chunk_output_kernel"], \
         COMPILED_FOR_TARGET[-3:]
+# the products a program per column block, the factors a program per slice
+chunk_prefill_triton(*(x.to(bf) for x in xp), state, torch.tensor([1, 2], dtype=torch.int32),
+                     torch.empty(1, Tp, HV, V, dtype=bf), cu_seqlens=cu_p, scale=0.1, use_qk_l2norm=True,
+                     A_log=A_log, dt_bias=dt_bias, lower_bound=None, beta_mode=1, has_initial_state=None,
+                     chunk_states=None, chunk_state_indices=None,
+                     config=ChunkConfig(block_v=32, state_warps=8, split_prep=True, split_rest=True, qk_from_input=True,
+                                        factor_dtype="bfloat16", chain_dot_dtype="bfloat16", inverse="doubling",
+                                        diagonal_programs=True, products="block_programs", factor_programs=True))
+assert COMPILED_FOR_TARGET[-3:] == ["_chunk_prep_kernel", "_chunk_prep_kernel", "_chunk_state_kernel"], \
+    COMPILED_FOR_TARGET[-3:]
 chunk_prefill_triton(*xp, state, torch.tensor([1, 2], dtype=torch.int32), torch.empty(1, Tp, HV, V, dtype=bf),
                      cu_seqlens=cu_p, scale=0.1, use_qk_l2norm=True, A_log=A_log, dt_bias=dt_bias, lower_bound=None,
                      beta_mode=1, has_initial_state=torch.tensor([True, False]), chunk_states=torch.zeros(3, HV, V, K),

@@ -523,22 +523,6 @@ def test_split_rest_equals_one_rest_launch_bitwise(monkeypatch):
     assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
 
 
-def test_inverse_with_factors_equal_apart_bitwise(monkeypatch):
-    """``ChunkConfig.inverse_with_factors``: the inverse and w, u in one launch give the bits of
-    the two launches; a steep sub-block, GVA, sequences off the chunk grid."""
-    H, HV, K, V = 1, 2, 16, 16
-    case = make_case(H, HV, K, V, [37, 1, 20], seed=14, extra_tokens=1)
-    case[0]["g"][0, 2:12, :, : K // 4] = 30.0
-    got, phases = run_recording_prep_launches(
-        monkeypatch, case, torch.tensor([1, 4, 0], dtype=torch.int32),
-        [ChunkConfig(chunk=32, block_v=16, dot_precision="ieee", split_prep=True, split_rest=True,
-                     inverse="doubling", diagonal_programs=True, inverse_with_factors=together)
-         for together in (False, True)])
-    assert phases == [[1, 2, 4, 8, 16], [1, 2, 4, 24]], phases
-    assert torch.isfinite(got[0][0][:, :58]).all()
-    assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
-
-
 @pytest.mark.parametrize("chain_dots", ["float32", "bfloat16"])
 def test_outputs_after_chain_equal_in_chain_bitwise(chain_dots):
     """``ChunkConfig.outputs="after_chain"``: the chain stores each chunk's start state and U
@@ -566,6 +550,49 @@ def test_outputs_after_chain_equal_in_chain_bitwise(chain_dots):
     assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
     ref_out, _, _ = ref64(x, A_log, dt_bias, cu, state, idx, has_initial_state=has_init, chunk_size=16)
     assert_close(got[1][0][:, :n], ref_out[:, :n], 2e-2, "outputs after the chain")
+
+
+@pytest.mark.parametrize("chunk,from_input", [(64, True), (32, False)],
+                         ids=["chunk64-qk-from-input", "chunk32-workspace-qk"])
+def test_block_and_slice_programs_equal_the_loops(monkeypatch, chunk, from_input):
+    """``factor_programs`` (a program per K and V slice) gives the bits of the loop over the
+    slices; ``products="block_programs"`` (a program per column block, in two launches: the
+    lower blocks on the lower half of the rows) the same products on fewer rows, equal to float32 rounding (the
+    interpreter's matrix products round by shape) and to float64. Steep and mild sub-blocks,
+    K != V (more K slices than V slices: some programs make no u), GVA, sequences of one
+    token and off the chunk grid."""
+    from kdakit.ops import chunk_prefill as module
+    H, HV, K, V = 1, 2, 40, 16
+    x, A_log, dt_bias, cu, state, T = make_case(H, HV, K, V, [2 * chunk + 5, 1, chunk - 3], seed=21,
+                                                extra_tokens=2)
+    x["g"][0, 3:9, :, : K // 4] = 30.0
+    x["g"][0, chunk - 12: chunk, :, K // 2:] = 30.0
+    idx = torch.tensor([4, 1, 0], dtype=torch.int32)
+    base = dict(chunk=chunk, block_v=16, dot_precision="ieee", split_prep=True, split_rest=True,
+                qk_from_input=from_input, slice_k=16)
+    parts = []
+    prep = module._chunk_prep
+    monkeypatch.setattr(module, "_chunk_prep", lambda grid, args, constexprs, **kw: (
+        parts.append((constexprs["PHASES"], constexprs["PARTS"], constexprs["BLOCK_LAUNCH"])),
+        prep(grid, args, constexprs, **kw))[1])
+    got = []
+    for products, factor_programs in (("by_block", False), ("by_block", True), ("block_programs", True)):
+        pool = state.clone()
+        out = torch.full((1, T, HV, V), POISON)
+        run_triton(x, A_log, dt_bias, cu, pool, idx, out,
+                   ChunkConfig(**base, products=products, factor_programs=factor_programs))
+        got.append((out, pool))
+    # two launches of a program per column block (the upper blocks, the lower ones); K = 40: four 16-column slices
+    assert parts[-4:] == [(4, chunk // 32, 1), (4, chunk // 32, 2), (8, 1, 0), (16, 64 // 16, 0)], parts
+    n = T - 2
+    assert torch.isfinite(got[0][0][:, :n]).all() and (got[2][0][:, n:] == POISON).all()
+    assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
+    assert_close(got[2][0][:, :n], got[0][0][:, :n], 1e-6, "block programs' outputs")
+    assert_close(got[2][1], got[0][1], 1e-6, "block programs' pool")
+    ref_out, ref_pool, _ = ref64(x, A_log, dt_bias, cu, state, idx, chunk_size=chunk)
+    assert_close(got[2][0][:, :n], ref_out[:, :n], 1e-4, "block programs' outputs against float64")
+    for s in (4, 1, 0):
+        assert_close(got[2][1][s], ref_pool[s], 1e-4, f"block programs' slot {s}")
 
 
 @pytest.mark.parametrize("chunk,from_input", [(64, True), (32, False), (16, True)],
@@ -656,7 +683,8 @@ def test_picked_config_follows_the_activations():
     assert (f32.factor_dtype, f32.chain_dot_dtype) == ("float32", "float32")
     assert all(c.qk_from_input and c.split_prep and c.split_rest for c in (many, one, few_heads, f32))
     assert all(c.inverse == "doubling" and c.diagonal_programs for c in (many, one, few_heads, f32))
-    assert all(c.products == "by_slice" and c.outputs == "in_chain" for c in (many, one, few_heads, f32))
+    assert all(c.products == "block_programs" and c.factor_programs and c.outputs == "in_chain"
+               for c in (many, one, few_heads, f32))
     # outputs after the chain: few chain programs (<= 64), each at least 4096 tokens long
     long_few = chunk_config(1, 8, 128, 128, act_dtype=torch.bfloat16, T=32768)
     assert (long_few.outputs, long_few.block_v) == ("after_chain", 16)

@@ -69,10 +69,13 @@ The kernels:
    one program per (V tile, value head, chunk), computes them token-parallel: the serial
    loop runs two of its four products. The same products on the same operands: the same bits.
 
-In the prep's products launch (``ChunkConfig.products="by_slice"``, picked) the K slices are
-the outer loop: each slice of k̂, q̂ and Γ is loaded once and feeds every column block's
-product (``_pair_products_by_slice``, ``chunk_products.py`` with the loads the phases share),
-in the order the by-block form sums them.
+The prep's products (``ChunkConfig.products``, ``chunk_products.py`` with the loads the phases
+share) run a program per column block (``"block_programs"``, picked) in two launches: the
+upper half of the blocks on all the chunk's rows, the lower half on the lower half of the rows
+(all they cover). The programs of a (chunk, head) are adjacent in the grid, so its k, q and Γ
+come from the L2 after the first. ``"by_slice"`` accumulates every block's product per K slice
+in one program, ``"by_block"`` loops over the blocks. ``w`` and ``u`` go a program per K and V
+slice (``factor_programs``, picked; ``chunk_factors.py``).
 
 Matrix products use ``tl.dot`` with ``input_precision="tf32"`` by default (one TF32 pass on
 tensor cores: more accurate than fla's bf16 products on the same inputs, and 2.4x faster
@@ -102,9 +105,9 @@ import triton.language as tl
 
 from .. import errors, reference
 from ..backends import register, select
+from .chunk_factors import _k_slice_factors, _v_slice_factors
 from .chunk_inverse import diagonal_inverse
-from .chunk_products import (_block_spread, _column_block_reference, _column_block_slice, _pair_products_by_slice,
-                             _store_column_block, _unit_rows, _unit_slice)
+from .chunk_products import _block_spread, _column_block_products, _pair_products_by_slice, _unit_rows
 from .launch import CachedKernel, cdiv, interpreting, next_power_of_2
 from .triton_math import count_bad_row, kda_log_decay
 
@@ -117,7 +120,7 @@ BETA_AS_IS, BETA_SIGMOID, BETA_SIGMOID_X2 = 0, 1, 2
 _FACTOR_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _DOT_PRECISIONS = ("tf32", "tf32x3", "ieee")
 _INVERSES = ("substitution", "doubling")
-_PRODUCTS = ("by_block", "by_slice")
+_PRODUCTS = ("by_block", "by_slice", "block_programs")
 _OUTPUTS = ("in_chain", "after_chain")
 _DIAGONAL = "diagonal inverse"  # the launch list's entry for chunk_inverse.py's launch
 BF16_DOTS_MIN_BLOCK_V = 32  # bf16 chain products on 16-row V tiles wrote non-finite outputs on the H200
@@ -163,12 +166,16 @@ class ChunkConfig:
     #                                  products and its q̂, P loads out of the serial loop; one piece only)
     output_block_v: int = 64         # after_chain: V rows of an output program
     output_warps: int = 4
-    inverse_with_factors: bool = False  # with split_rest: the inverse and w, u as one launch (the inverse
-    #                                     read back from L1/L2 by the program that wrote it)
     products: str = "by_block"       # the A and P products: "by_block" (a column block at a time, every K
-    #                                  slice of k, q and Γ loaded again for each) or "by_slice" (every
+    #                                  slice of k, q and Γ loaded again for each), "by_slice" (every
     #                                  column block's product accumulated per K slice, each slice loaded
-    #                                  once: a quarter of the loads, every block's accumulators live)
+    #                                  once: a quarter of the loads, every block's accumulators live) or
+    #                                  "block_programs" (with split_rest: the by-block products, a program
+    #                                  per column block, the blocks' loads shared in the L2; two launches,
+    #                                  the lower half of the blocks on the lower half of the rows)
+    lower_block_warps: int = 2       # block_programs: warps of the lower blocks' programs ([C / 2, 16] products)
+    factor_programs: bool = False    # with split_rest: w, u and the chain's other factors a program per K
+    #                                  and V slice (chunk_factors.py) instead of a loop over the slices
 
     def __post_init__(self):
         for name, allowed in (("factor_dtype", tuple(_FACTOR_DTYPES)), ("chain_dot_dtype", tuple(_FACTOR_DTYPES)),
@@ -177,6 +184,9 @@ class ChunkConfig:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"ChunkConfig.{name} must be one of {', '.join(map(repr, allowed))} "
                                  f"(got {getattr(self, name)!r}).")
+        if (self.products == "block_programs" or self.factor_programs) and not (self.split_prep and self.split_rest):
+            raise ValueError("ChunkConfig: products='block_programs' and factor_programs need split_prep and "
+                             "split_rest (their launches of their own).")
 
 
 # Outputs after the chain where the chains are few and long: at most this many chain programs
@@ -193,13 +203,14 @@ def chunk_config(N: int, HV: int, K: int, V: int, chunk: int = CHUNK_SIZE,
     fill the GPU; many sequences reread the chunk's factors fewer times with wide ones).
     Head dims above 128 take 32-token chunks and V tiles of at most 32 rows.
     The later prep phases read q and k from the inputs (``qk_from_input``), the prep runs as
-    five launches (``split_prep``, ``split_rest``) and one more that inverts the 16 x 16
+    six launches (``split_prep``, ``split_rest``, the products as two) and one more that inverts the 16 x 16
     diagonal blocks one warp each (``diagonal_programs``), after which the rest of the inverse
     is built by doubling (``inverse``), and the chain's factors are stored in the
     activations' dtype when that is bf16 (``factor_dtype``; float32 otherwise), as fla stores
     its w and u: the chain streams half the bytes and its kernel holds fewer registers, and the
     call stays more accurate against float64 than fla's (docs/tuning.md, "chunk_prefill").
-    The A and P products run by K slice (``products``). Few long chains (``T`` tokens over the
+    The A and P products run a program per column block (``products``, the lower blocks'
+    on ``lower_block_warps``), w and u a program per slice (``factor_programs``). Few long chains (``T`` tokens over the
     ``N`` sequences) take their outputs after the chain (``outputs``): the serial loop then
     runs two products a chunk instead of four."""
     wide = max(K, V) > 128  # head dims up to 256: 32-token chunks and V tiles of <= 32 rows keep tiles in budget
@@ -228,7 +239,7 @@ def chunk_config(N: int, HV: int, K: int, V: int, chunk: int = CHUNK_SIZE,
                        pipeline_stages=2 if block_v <= 16 or bf16_dots else 1, split_prep=True, split_rest=True,
                        qk_from_input=True, factor_dtype="bfloat16" if bf16 else "float32",
                        chain_dot_dtype="bfloat16" if bf16_dots else "float32", inverse="doubling",
-                       diagonal_programs=True, products="by_slice",
+                       diagonal_programs=True, products="block_programs", factor_programs=True,
                        outputs="after_chain" if after else "in_chain")
 
 
@@ -253,7 +264,7 @@ def _chunk_prep_kernel(
     BETA_MODE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PHASES: tl.constexpr, SUB_BLOCK_PROGRAMS: tl.constexpr, QK_FROM_INPUT: tl.constexpr,
     INVERSE_BY_DOUBLING: tl.constexpr, DIAGONAL_INVERTED: tl.constexpr, PRODUCTS_BY_SLICE: tl.constexpr,
-    FACTORS_IN_PLACE: tl.constexpr,
+    FACTORS_IN_PLACE: tl.constexpr, PARTS: tl.constexpr, BLOCK_LAUNCH: tl.constexpr,
 ):
     # Every phase reads what it needs back from the (L2-resident) workspace in 16-row or
     # SLICE-column pieces, so that no [C, K] tile outlives its phase: whole-chunk tiles kept
@@ -266,7 +277,10 @@ def _chunk_prep_kernel(
     # q and k from the inputs and scale them as the first phase would have (_unit_rows).
     # f_q, f_k, f_w (and ws_u): where the chain's factors go, in their dtype; float32 ones
     # are ws_q, ws_k, ws_w themselves, written over q̂, k̂ and Γ.
-    i_c, i_hv = tl.program_id(0), tl.program_id(1)
+    # PARTS programs a (chunk, head), adjacent in the grid so that they share its loads in the L2:
+    # the by-block products a column block each (BLOCK_LAUNCH 1: the upper half of the blocks,
+    # 2: the lower half; 0: every block in one program), or the factors a K and V slice each
+    i_c, part, i_hv = tl.program_id(0) // PARTS, tl.program_id(0) % PARTS, tl.program_id(1)
     i_h = i_hv // (HV // H)
     c64 = i_c.to(tl.int64)
     NB: tl.constexpr = C // 16
@@ -389,21 +403,21 @@ def _chunk_prep_kernel(
                                     scale, diag_spread_max, K, BLOCK_K, C, SLICE, USE_QK_L2NORM, QK_FROM_INPUT,
                                     DOT_PRECISION)
         else:  # a column block at a time: fewer accumulators live, every slice loaded once a block
-            for j in range(NB):
-                ref, below = _column_block_reference(ww, j, diag_spread_max, offs_c, BLOCK_K)
-                if (ref < j * 16) | (j < NB - 1):  # a steep last block has no rows below it
-                    acc_a = tl.zeros([C, 16], dtype=tl.float32)
-                    acc_p = tl.zeros([C, 16], dtype=tl.float32)
-                    for kk in tl.static_range(0, BLOCK_K, SLICE):
-                        G = tl.load(ww + offs_c[:, None] * BLOCK_K + kk + offs_n[None, :])
-                        k_c = _unit_slice(wk, k_h, wn, 0, 1.0, t0, n_tok, offs_c, kk + offs_n, stride_k_t, K, BLOCK_K,
-                                          USE_QK_L2NORM, QK_FROM_INPUT)
-                        q_c = _unit_slice(wq, q_h, wn, 1, scale, t0, n_tok, offs_c, kk + offs_n, stride_q_t, K,
-                                          BLOCK_K, USE_QK_L2NORM, QK_FROM_INPUT)
-                        acc_a, acc_p = _column_block_slice(acc_a, acc_p, k_c, q_c, G, ref, below, j, wk, ww, wn, k_h,
-                                                           t0, n_tok, kk, stride_k_t, K, BLOCK_K, SLICE,
-                                                           USE_QK_L2NORM, QK_FROM_INPUT, DOT_PRECISION)
-                    _store_column_block(wa, wp, acc_a, acc_p, b_beta, below, j, C)
+            if BLOCK_LAUNCH == 0:  # every block, in turn
+                for j in range(NB):
+                    _column_block_products(wa, wp, wk, wq, ww, wn, k_h, q_h, offs_c, b_beta, j, t0, n_tok,
+                                           stride_k_t, stride_q_t, scale, diag_spread_max, K, BLOCK_K, C, SLICE,
+                                           USE_QK_L2NORM, QK_FROM_INPUT, DOT_PRECISION)
+            elif BLOCK_LAUNCH == 1:  # a program per block of the upper half, on every row
+                _column_block_products(wa, wp, wk, wq, ww, wn, k_h, q_h, offs_c, b_beta, part, t0, n_tok,
+                                       stride_k_t, stride_q_t, scale, diag_spread_max, K, BLOCK_K, C, SLICE,
+                                       USE_QK_L2NORM, QK_FROM_INPUT, DOT_PRECISION)
+            else:  # a program per block of the lower half, on the lower half of the rows (all it covers)
+                rows_h = C // 2 + tl.arange(0, C // 2)
+                beta_h = _beta_values(beta, t0 + rows_h, rows_h < n_tok, stride_b_t, stride_b_h, i_hv, BETA_MODE)
+                _column_block_products(wa, wp, wk, wq, ww, wn, k_h, q_h, rows_h, beta_h, NB // 2 + part, t0, n_tok,
+                                       stride_k_t, stride_q_t, scale, diag_spread_max, K, BLOCK_K, C, SLICE,
+                                       USE_QK_L2NORM, QK_FROM_INPUT, DOT_PRECISION)
     tl.debug_barrier()
 
     if PHASES & 8:
@@ -417,37 +431,31 @@ def _chunk_prep_kernel(
 
     if PHASES & 16:
         # ---- w = T diag(β)(k̂ ⊙ e^Γ), u = T diag(β) v, q̂ ⊙ e^Γ, k̂ ⊙ e^(Γ_C - Γ), e^Γ_C ----
-        # in SLICE-column pieces (with FACTORS_IN_PLACE, a piece's reads are done before its writes:
-        # float32 factors go over the Γ, k̂ and q̂ they are made of; else nothing waits on them)
+        # (chunk_factors.py) a K and a V slice at a time: all of them here, or with PARTS > 1
+        # this program's part only (a program per slice)
         p_cc = offs_c[:, None] * C + offs_c[None, :]
         blk = offs_c // 16
         b_T = tl.load(wa + p_cc, mask=blk[:, None] >= blk[None, :], other=0.0)
-        for kk in tl.static_range(0, BLOCK_K, SLICE):
-            p_sl = offs_c[:, None] * BLOCK_K + kk + offs_n[None, :]
-            G = tl.load(ww + p_sl)
-            G_last = tl.load(ww + (C - 1) * BLOCK_K + kk + offs_n)
-            if QK_FROM_INPUT:
-                kn = _unit_rows(k_h, wn, 0, 1.0, t0, n_tok, offs_c, kk + offs_n, stride_k_t, K, USE_QK_L2NORM)
-                qn = _unit_rows(q_h, wn, 1, scale, t0, n_tok, offs_c, kk + offs_n, stride_q_t, K,
-                                USE_QK_L2NORM)
-            else:
-                kn = tl.load(wk + p_sl)
-                qn = tl.load(wq + p_sl)
-            e_G = tl.exp(G)
-            b_w = tl.dot(b_T, kn * e_G * b_beta[:, None], input_precision=DOT_PRECISION)
-            if FACTORS_IN_PLACE:
-                tl.debug_barrier()
-            tl.store(f_w + ws_row * BLOCK_K + p_sl, b_w.to(f_w.dtype.element_ty))
-            tl.store(f_q + ws_row * BLOCK_K + p_sl, (qn * e_G).to(f_q.dtype.element_ty))
-            tl.store(f_k + ws_row * BLOCK_K + p_sl, (kn * tl.exp(G_last[None, :] - G)).to(f_k.dtype.element_ty))
-            tl.store(ws_g + (c64 * HV + i_hv) * BLOCK_K + kk + offs_n, tl.exp(G_last))
-        for vv in tl.static_range(0, BLOCK_V, SLICE):
-            offs_v = vv + offs_n
-            b_v = tl.load(v + tok[:, None] * stride_v_t + i_hv * stride_v_h + offs_v[None, :],
-                          mask=mask_c[:, None] & (offs_v < V)[None, :], other=0.0).to(tl.float32)
-            b_u = tl.dot(b_T, b_v * b_beta[:, None], input_precision=DOT_PRECISION)
-            tl.store(ws_u + ws_row * BLOCK_V + offs_c[:, None] * BLOCK_V + offs_v[None, :],
-                     b_u.to(ws_u.dtype.element_ty))
+        f_row = ws_row * BLOCK_K
+        g_last = ws_g + (c64 * HV + i_hv) * BLOCK_K
+        u_row = ws_u + ws_row * BLOCK_V
+        v_h = v + i_hv * stride_v_h
+        if PARTS > 1:
+            if part * SLICE < BLOCK_K:
+                _k_slice_factors(b_T, b_beta, part * SLICE, ww, wk, wq, wn, k_h, q_h, f_w + f_row, f_q + f_row,
+                                 f_k + f_row, g_last, t0, n_tok, stride_k_t, stride_q_t, scale, K, BLOCK_K, C, SLICE,
+                                 USE_QK_L2NORM, QK_FROM_INPUT, FACTORS_IN_PLACE, DOT_PRECISION)
+            if part * SLICE < BLOCK_V:
+                _v_slice_factors(b_T, b_beta, part * SLICE, v_h, tok, mask_c, stride_v_t, u_row, V, BLOCK_V, C,
+                                 SLICE, DOT_PRECISION)
+        else:
+            for kk in tl.static_range(0, BLOCK_K, SLICE):
+                _k_slice_factors(b_T, b_beta, kk, ww, wk, wq, wn, k_h, q_h, f_w + f_row, f_q + f_row, f_k + f_row,
+                                 g_last, t0, n_tok, stride_k_t, stride_q_t, scale, K, BLOCK_K, C, SLICE,
+                                 USE_QK_L2NORM, QK_FROM_INPUT, FACTORS_IN_PLACE, DOT_PRECISION)
+            for vv in tl.static_range(0, BLOCK_V, SLICE):
+                _v_slice_factors(b_T, b_beta, vv, v_h, tok, mask_c, stride_v_t, u_row, V, BLOCK_V, C, SLICE,
+                                 DOT_PRECISION)
 
 
 @triton.jit
@@ -870,19 +878,31 @@ def chunk_prefill_triton(q, k, v, g, beta, state, slot_indices, out, *, cu_seqle
                            QK_FROM_INPUT=bool(cfg.qk_from_input), INVERSE_BY_DOUBLING=cfg.inverse == "doubling",
                            DIAGONAL_INVERTED=diagonal_programs, PRODUCTS_BY_SLICE=cfg.products == "by_slice",
                            FACTORS_IN_PLACE=f_w is ws_w or (not cfg.qk_from_input and (f_q is ws_q or f_k is ws_k)))
-    if cfg.split_prep:
-        tail = [8 | 16] if cfg.inverse_with_factors else [8, 16]
-        rest = ([4, _DIAGONAL, *tail] if diagonal_programs else [4, *tail]) if cfg.split_rest else [4 | 8 | 16]
-        launches = [((max_chunks, HV), 1, False), ((max_chunks, HV, C // SUB), 2, True),
-                    *[((max_chunks, HV), phases, False) for phases in rest]]
+    # Launches of the prep after the first two, as (phases, programs a (chunk, head), BLOCK_LAUNCH):
+    # the products a program per column block (in two launches: the lower blocks take the lower
+    # half of the rows) and the factors a program per K and V slice where the config says so.
+    NB = C // SUB
+    if cfg.products == "block_programs" and NB > 1:
+        products = [(4, NB // 2, 1), (4, NB // 2, 2)]
     else:
-        launches = [((max_chunks, HV), 1 | 2 | 4 | 8 | 16, False)]
-    for grid, phases, per_sub_block in launches:
+        products = [(4, 1, 0)]
+    factors = [(16, max(BK, BVW) // prep_constexprs["SLICE"] if cfg.factor_programs else 1, 0)]
+    if cfg.split_prep:
+        tail = [(8, 1, 0), *factors]
+        rest = ([*products, (_DIAGONAL, 1, 0), *tail] if diagonal_programs else [*products, *tail]) \
+            if cfg.split_rest else [(4 | 8 | 16, 1, 0)]
+        launches = [((max_chunks, HV), 1, False, 1, 0), ((max_chunks, HV, NB), 2, True, 1, 0),
+                    *[((max_chunks * parts, HV), phases, False, parts, block_launch)
+                      for phases, parts, block_launch in rest]]
+    else:
+        launches = [((max_chunks, HV), 1 | 2 | 4 | 8 | 16, False, 1, 0)]
+    for grid, phases, per_sub_block, parts, block_launch in launches:
         if phases is _DIAGONAL:
-            diagonal_inverse((max_chunks, HV, C // SUB), (ws_a,), dict(HV=HV, C=C), num_warps=1, num_stages=1)
+            diagonal_inverse((max_chunks, HV, NB), (ws_a,), dict(HV=HV, C=C), num_warps=1, num_stages=1)
         else:
-            _chunk_prep(grid, prep_args, dict(prep_constexprs, PHASES=phases, SUB_BLOCK_PROGRAMS=per_sub_block),
-                        num_warps=cfg.prep_warps, num_stages=1)
+            _chunk_prep(grid, prep_args, dict(prep_constexprs, PHASES=phases, SUB_BLOCK_PROGRAMS=per_sub_block,
+                                              PARTS=parts, BLOCK_LAUNCH=block_launch),
+                        num_warps=cfg.lower_block_warps if block_launch == 2 else cfg.prep_warps, num_stages=1)
     has_cs = chunk_states is not None
     cs = chunk_states if has_cs else state
     ci = chunk_state_indices if has_cs else slot_indices

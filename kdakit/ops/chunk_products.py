@@ -6,7 +6,8 @@ norms of k and q (the later phases read q and k from the inputs and scale them a
 ``_unit_rows``). The pairs whose earlier token lies in 16-token column block ``j`` form one
 tensor-core product over the rows at or below it, factored at a token ``b`` so that no exponent
 is positive beyond what the block's log-decay spread bounds (``chunk_prefill``'s module doc).
-By block, the products run a column block at a time over every K slice; by slice
+By block (``_column_block_products``), a column block's products run over every K slice, in a
+loop over the blocks or a program per block on the rows the block covers; by slice
 (``_pair_products_by_slice``), the K slices are the outer loop and each slice of k̂, q̂ and Γ
 feeds all blocks' products, summed in the same order: the same bits, a quarter of the loads.
 """
@@ -50,6 +51,19 @@ def _unit_slice(x_ws, x_head, norms, which, scale, t0, n_tok, rows, cols, stride
 
 
 @triton.jit
+def _rows_slice(ww, wk, wq, wn, k_h, q_h, rows, kk, t0, n_tok, stride_k_t, stride_q_t, scale, K: tl.constexpr,
+                BLOCK_K: tl.constexpr, SLICE: tl.constexpr, NORMED: tl.constexpr, QK_FROM_INPUT: tl.constexpr):
+    """Γ, k̂ and q̂ of ``rows`` on the K slice from column ``kk``: what every column block's
+    product of that slice takes."""
+    offs_n = tl.arange(0, SLICE)
+    G = tl.load(ww + rows[:, None] * BLOCK_K + kk + offs_n[None, :])
+    k_c = _unit_slice(wk, k_h, wn, 0, 1.0, t0, n_tok, rows, kk + offs_n, stride_k_t, K, BLOCK_K, NORMED, QK_FROM_INPUT)
+    q_c = _unit_slice(wq, q_h, wn, 1, scale, t0, n_tok, rows, kk + offs_n, stride_q_t, K, BLOCK_K, NORMED,
+                      QK_FROM_INPUT)
+    return G, k_c, q_c
+
+
+@triton.jit
 def _column_block_reference(ww, j, diag_spread_max, offs_c, BLOCK_K: tl.constexpr):
     """Column block ``j``'s factoring token and the rows its product covers (see the kernel):
     the token before the block and the block's rows too where its spread allows, else the
@@ -78,13 +92,35 @@ def _column_block_slice(acc_a, acc_p, k_c, q_c, G, ref, below, j, wk, ww, wn, k_
 
 
 @triton.jit
-def _store_column_block(wa, wp, acc_a, acc_p, b_beta, below, j, C: tl.constexpr):
-    """Column block ``j`` of A (β-scaled, strictly lower) and P (lower), its covered rows only."""
-    offs_c = tl.arange(0, C)
+def _store_column_block(wa, wp, acc_a, acc_p, b_beta, below, j, rows, C: tl.constexpr):
+    """Column block ``j`` of A (β-scaled, strictly lower) and P (lower) on ``rows`` (``b_beta``
+    their β), its covered rows only."""
     col = j * 16 + tl.arange(0, 16)
-    p_col = offs_c[:, None] * C + col[None, :]
-    tl.store(wa + p_col, tl.where(offs_c[:, None] > col[None, :], acc_a * b_beta[:, None], 0.0), mask=below[:, None])
-    tl.store(wp + p_col, tl.where(offs_c[:, None] >= col[None, :], acc_p, 0.0), mask=below[:, None])
+    p_col = rows[:, None] * C + col[None, :]
+    tl.store(wa + p_col, tl.where(rows[:, None] > col[None, :], acc_a * b_beta[:, None], 0.0), mask=below[:, None])
+    tl.store(wp + p_col, tl.where(rows[:, None] >= col[None, :], acc_p, 0.0), mask=below[:, None])
+
+
+@triton.jit
+def _column_block_products(wa, wp, wk, wq, ww, wn, k_h, q_h, rows, b_beta, j, t0, n_tok, stride_k_t, stride_q_t,
+                           scale, diag_spread_max, K: tl.constexpr, BLOCK_K: tl.constexpr, C: tl.constexpr,
+                           SLICE: tl.constexpr, NORMED: tl.constexpr, QK_FROM_INPUT: tl.constexpr,
+                           DOT_PRECISION: tl.constexpr):
+    """Column block ``j``'s A and P over every K slice, on the chunk's ``rows`` (``b_beta`` their
+    β): all C of them, or only the rows from the block's start down (they are all it covers)."""
+    NB: tl.constexpr = C // 16
+    ROWS: tl.constexpr = rows.shape[0]
+    ref, below = _column_block_reference(ww, j, diag_spread_max, rows, BLOCK_K)
+    if (ref < j * 16) | (j < NB - 1):  # a steep last block has no rows below it
+        acc_a = tl.zeros([ROWS, 16], dtype=tl.float32)
+        acc_p = tl.zeros([ROWS, 16], dtype=tl.float32)
+        for kk in tl.static_range(0, BLOCK_K, SLICE):
+            G, k_c, q_c = _rows_slice(ww, wk, wq, wn, k_h, q_h, rows, kk, t0, n_tok, stride_k_t, stride_q_t, scale,
+                                      K, BLOCK_K, SLICE, NORMED, QK_FROM_INPUT)
+            acc_a, acc_p = _column_block_slice(acc_a, acc_p, k_c, q_c, G, ref, below, j, wk, ww, wn, k_h, t0, n_tok,
+                                               kk, stride_k_t, K, BLOCK_K, SLICE, NORMED, QK_FROM_INPUT,
+                                               DOT_PRECISION)
+        _store_column_block(wa, wp, acc_a, acc_p, b_beta, below, j, rows, C)
 
 
 @triton.jit
@@ -99,7 +135,6 @@ def _pair_products_by_slice(wk, wq, ww, wa, wp, wn, k_h, q_h, b_beta, t0, n_tok,
     NB: tl.constexpr = C // 16
     tl.static_assert(NB <= 4, "by_slice products hold at most 4 column blocks (C <= 64)")
     offs_c = tl.arange(0, C)
-    offs_n = tl.arange(0, SLICE)
     ref0, below0 = _column_block_reference(ww, 0, diag_spread_max, offs_c, BLOCK_K)
     ref1, below1 = _column_block_reference(ww, 1 % NB, diag_spread_max, offs_c, BLOCK_K)
     ref2, below2 = _column_block_reference(ww, 2 % NB, diag_spread_max, offs_c, BLOCK_K)
@@ -113,11 +148,8 @@ def _pair_products_by_slice(wk, wq, ww, wa, wp, wn, k_h, q_h, b_beta, t0, n_tok,
     a3 = tl.zeros([C, 16], dtype=tl.float32)
     p3 = tl.zeros([C, 16], dtype=tl.float32)
     for kk in tl.static_range(0, BLOCK_K, SLICE):
-        G = tl.load(ww + offs_c[:, None] * BLOCK_K + kk + offs_n[None, :])
-        k_c = _unit_slice(wk, k_h, wn, 0, 1.0, t0, n_tok, offs_c, kk + offs_n, stride_k_t, K, BLOCK_K, NORMED,
-                          QK_FROM_INPUT)
-        q_c = _unit_slice(wq, q_h, wn, 1, scale, t0, n_tok, offs_c, kk + offs_n, stride_q_t, K, BLOCK_K, NORMED,
-                          QK_FROM_INPUT)
+        G, k_c, q_c = _rows_slice(ww, wk, wq, wn, k_h, q_h, offs_c, kk, t0, n_tok, stride_k_t, stride_q_t, scale, K,
+                                  BLOCK_K, SLICE, NORMED, QK_FROM_INPUT)
         a0, p0 = _column_block_slice(a0, p0, k_c, q_c, G, ref0, below0, 0, wk, ww, wn, k_h, t0, n_tok, kk,
                                      stride_k_t, K, BLOCK_K, SLICE, NORMED, QK_FROM_INPUT, DOT_PRECISION)
         if NB > 1:
@@ -128,9 +160,9 @@ def _pair_products_by_slice(wk, wq, ww, wa, wp, wn, k_h, q_h, b_beta, t0, n_tok,
                                          stride_k_t, K, BLOCK_K, SLICE, NORMED, QK_FROM_INPUT, DOT_PRECISION)
             a3, p3 = _column_block_slice(a3, p3, k_c, q_c, G, ref3, below3, 3, wk, ww, wn, k_h, t0, n_tok, kk,
                                          stride_k_t, K, BLOCK_K, SLICE, NORMED, QK_FROM_INPUT, DOT_PRECISION)
-    _store_column_block(wa, wp, a0, p0, b_beta, below0, 0, C)
+    _store_column_block(wa, wp, a0, p0, b_beta, below0, 0, offs_c, C)
     if NB > 1:
-        _store_column_block(wa, wp, a1, p1, b_beta, below1, 1, C)
+        _store_column_block(wa, wp, a1, p1, b_beta, below1, 1, offs_c, C)
     if NB > 2:
-        _store_column_block(wa, wp, a2, p2, b_beta, below2, 2, C)
-        _store_column_block(wa, wp, a3, p3, b_beta, below3, 3, C)
+        _store_column_block(wa, wp, a2, p2, b_beta, below2, 2, offs_c, C)
+        _store_column_block(wa, wp, a3, p3, b_beta, below3, 3, offs_c, C)
