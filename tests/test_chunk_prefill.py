@@ -552,17 +552,21 @@ def test_outputs_after_chain_equal_in_chain_bitwise(chain_dots):
     assert_close(got[1][0][:, :n], ref_out[:, :n], 2e-2, "outputs after the chain")
 
 
-@pytest.mark.parametrize("chunk,from_input", [(64, True), (32, False)],
-                         ids=["chunk64-qk-from-input", "chunk32-workspace-qk"])
-def test_block_and_slice_programs_equal_the_loops(monkeypatch, chunk, from_input):
+@pytest.mark.parametrize("chunk,from_input,K,V", [(64, True, 40, 16), (32, False, 40, 16), (32, True, 16, 40)],
+                         ids=["chunk64-qk-from-input-K40-V16", "chunk32-workspace-qk-K40-V16",
+                              "chunk32-qk-from-input-K16-V40"])
+def test_block_and_slice_programs_equal_the_loops(monkeypatch, chunk, from_input, K, V):
     """``factor_programs`` (a program per K and V slice) gives the bits of the loop over the
     slices; ``products="block_programs"`` (a program per column block, in two launches: the
     lower blocks on the lower half of the rows) the same products on fewer rows, equal to float32 rounding (the
     interpreter's matrix products round by shape) and to float64. Steep and mild sub-blocks,
-    K != V (more K slices than V slices: some programs make no u), GVA, sequences of one
-    token and off the chunk grid."""
+    K != V both ways (some programs make no u, or no w), GVA, sequences of one token and off
+    the chunk grid; the programs need the split launches."""
     from kdakit.ops import chunk_prefill as module
-    H, HV, K, V = 1, 2, 40, 16
+    H, HV = 1, 2
+    for fields in (dict(products="block_programs"), dict(factor_programs=True)):
+        with pytest.raises(ValueError, match="need split_prep and split_rest"):
+            ChunkConfig(**fields)
     x, A_log, dt_bias, cu, state, T = make_case(H, HV, K, V, [2 * chunk + 5, 1, chunk - 3], seed=21,
                                                 extra_tokens=2)
     x["g"][0, 3:9, :, : K // 4] = 30.0
@@ -582,7 +586,7 @@ def test_block_and_slice_programs_equal_the_loops(monkeypatch, chunk, from_input
         run_triton(x, A_log, dt_bias, cu, pool, idx, out,
                    ChunkConfig(**base, products=products, factor_programs=factor_programs))
         got.append((out, pool))
-    # two launches of a program per column block (the upper blocks, the lower ones); K = 40: four 16-column slices
+    # two launches of a program per column block (the upper blocks, the lower ones); four 16-column slices
     assert parts[-4:] == [(4, chunk // 32, 1), (4, chunk // 32, 2), (8, 1, 0), (16, 64 // 16, 0)], parts
     n = T - 2
     assert torch.isfinite(got[0][0][:, :n]).all() and (got[2][0][:, n:] == POISON).all()
