@@ -552,6 +552,33 @@ def test_outputs_after_chain_equal_in_chain_bitwise(chain_dots):
     assert_close(got[1][0][:, :n], ref_out[:, :n], 2e-2, "outputs after the chain")
 
 
+@pytest.mark.parametrize("outputs", ["in_chain", "after_chain"])
+def test_bf16_qk_pairs_equal_float32_ones_bitwise(outputs):
+    """``ChunkConfig.qk_pairs_dtype="bfloat16"``: P stored rounded as the bf16 chain products
+    take it gives the bits of float32 P (the products round it the same way); steep and mild
+    sub-blocks (both of P's store paths), padding, GVA, K != V, lengths off the chunk grid.
+    With float32 chain products it is refused."""
+    H, HV, K, V = 1, 2, 32, 24
+    x, A_log, dt_bias, cu, state, T = make_case(H, HV, K, V, [40, 7, 33, 1], seed=23, act=torch.bfloat16,
+                                                extra_tokens=3)
+    x["g"][0, 2:12, :, : K // 4] = 30.0  # a steep sub-block under the default gate
+    idx = torch.tensor([3, -1, 5, 0], dtype=torch.int32)
+    got = []
+    for pairs in ("float32", "bfloat16"):
+        pool = state.clone()
+        out = torch.full((1, T, HV, V), POISON).to(torch.bfloat16)
+        run_triton(x, A_log, dt_bias, cu, pool, idx, out,
+                   ChunkConfig(chunk=16, block_v=32, dot_precision="ieee", split_prep=True, split_rest=True,
+                               qk_from_input=True, outputs=outputs, output_block_v=16, factor_dtype="bfloat16",
+                               chain_dot_dtype="bfloat16", qk_pairs_dtype=pairs))
+        got.append((out, pool))
+    n = T - 3
+    assert torch.isfinite(got[0][0][:, :n].float()).all() and (got[1][0][:, n:] == POISON).all()
+    assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
+    with pytest.raises(ValueError, match="qk_pairs_dtype='bfloat16' needs chain_dot_dtype='bfloat16'"):
+        ChunkConfig(qk_pairs_dtype="bfloat16")
+
+
 @pytest.mark.parametrize("chunk,from_input,K,V", [(64, True, 40, 16), (32, False, 40, 16), (32, True, 16, 40)],
                          ids=["chunk64-qk-from-input-K40-V16", "chunk32-workspace-qk-K40-V16",
                               "chunk32-qk-from-input-K16-V40"])

@@ -173,17 +173,23 @@ class ChunkConfig:
     #                                  "block_programs" (with split_rest: the by-block products, a program
     #                                  per column block, the blocks' loads shared in the L2; two launches,
     #                                  the lower half of the blocks on the lower half of the rows)
+    qk_pairs_dtype: str = "float32"  # P (the q̂k̂ pair sums) as stored for the chain: "bfloat16" with bf16
+    #                                  chain products, whose operand it is (the same bits, half the bytes)
     lower_block_warps: int = 2       # block_programs: warps of the lower blocks' programs ([C / 2, 16] products)
     factor_programs: bool = False    # with split_rest: w, u and the chain's other factors a program per K
     #                                  and V slice (chunk_factors.py) instead of a loop over the slices
 
     def __post_init__(self):
         for name, allowed in (("factor_dtype", tuple(_FACTOR_DTYPES)), ("chain_dot_dtype", tuple(_FACTOR_DTYPES)),
+                              ("qk_pairs_dtype", tuple(_FACTOR_DTYPES)),
                               ("dot_precision", _DOT_PRECISIONS), ("inverse", _INVERSES),
                               ("products", _PRODUCTS), ("outputs", _OUTPUTS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"ChunkConfig.{name} must be one of {', '.join(map(repr, allowed))} "
                                  f"(got {getattr(self, name)!r}).")
+        if self.qk_pairs_dtype == "bfloat16" and self.chain_dot_dtype != "bfloat16":
+            raise ValueError("ChunkConfig.qk_pairs_dtype='bfloat16' needs chain_dot_dtype='bfloat16' (P is stored "
+                             "rounded as the bf16 chain products take it; float32 products would see the rounding).")
         if (self.products == "block_programs" or self.factor_programs) and not (self.split_prep and self.split_rest):
             raise ValueError("ChunkConfig: products='block_programs' and factor_programs need split_prep and "
                              "split_rest (their launches of their own).")
@@ -395,7 +401,7 @@ def _chunk_prep_kernel(
                                 a_col += tl.sum(tl.load(wk + p_ik) * kr, axis=1)
                                 p_col += tl.sum(tl.load(wq + p_ik) * kr, axis=1)
                         tl.store(wa + rows * C + i * 16 + r, tl.where(offs_s > r, a_col * beta_i, 0.0))
-                        tl.store(wp + rows * C + i * 16 + r, p_col)
+                        tl.store(wp + rows * C + i * 16 + r, p_col.to(wp.dtype.element_ty))
     b_beta = _beta_values(beta, tok, mask_c, stride_b_t, stride_b_h, i_hv, BETA_MODE)
     if PHASES & 4:
         if PRODUCTS_BY_SLICE:
@@ -855,7 +861,7 @@ def chunk_prefill_triton(q, k, v, g, beta, state, slot_indices, out, *, cu_seqle
     ws_u = torch.empty(rows, BVW, dtype=factor_dtype, device=dev)
     f_q, f_k, f_w = (ws if ws.dtype == factor_dtype else torch.empty_like(ws, dtype=factor_dtype)
                      for ws in (ws_q, ws_k, ws_w))
-    ws_p = torch.empty(rows, C, dtype=torch.float32, device=dev)
+    ws_p = torch.empty(rows, C, dtype=_FACTOR_DTYPES[cfg.qk_pairs_dtype], device=dev)
     ws_a = torch.empty(rows, C, dtype=torch.float32, device=dev)
     ws_g = torch.empty(max_chunks * HV, BK, dtype=torch.float32, device=dev)
     # the reciprocal row norms of k and q, kept for the later phases (qk_from_input with the L2 norm)

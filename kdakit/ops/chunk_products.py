@@ -98,7 +98,8 @@ def _store_column_block(wa, wp, acc_a, acc_p, b_beta, below, j, rows, C: tl.cons
     col = j * 16 + tl.arange(0, 16)
     p_col = rows[:, None] * C + col[None, :]
     tl.store(wa + p_col, tl.where(rows[:, None] > col[None, :], acc_a * b_beta[:, None], 0.0), mask=below[:, None])
-    tl.store(wp + p_col, tl.where(rows[:, None] >= col[None, :], acc_p, 0.0), mask=below[:, None])
+    tl.store(wp + p_col, tl.where(rows[:, None] >= col[None, :], acc_p, 0.0).to(wp.dtype.element_ty),
+             mask=below[:, None])
 
 
 @triton.jit
