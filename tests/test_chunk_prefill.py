@@ -71,6 +71,17 @@ def ref64(x, A_log, dt_bias, cu, state, idx, *, lower_bound=None, has_initial_st
     return out, pool, cs
 
 
+def poison_workspaces(monkeypatch):
+    """Every floating tensor ``torch.empty`` makes while the test runs starts as NaN: a kernel
+    that reads a workspace entry nothing wrote turns its outputs non-finite."""
+    empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+    monkeypatch.setattr(torch, "empty", nan_empty)
+
+
 def run_triton(x, A_log, dt_bias, cu, state, idx, out, config, *, lower_bound=None, has_initial_state=None,
                chunk_states=None, chunk_state_indices=None, interval=None):
     K = x["q"].shape[-1]
@@ -523,16 +534,19 @@ def test_split_rest_equals_one_rest_launch_bitwise(monkeypatch):
     assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
 
 
-@pytest.mark.parametrize("chain_dots", ["float32", "bfloat16"])
-def test_outputs_after_chain_equal_in_chain_bitwise(chain_dots):
+@pytest.mark.parametrize("chain_dots,K", [("float32", 32), ("bfloat16", 32), ("bfloat16", 40)],
+                         ids=["float32-products-K32", "bf16-products-K32", "bf16-products-K40"])
+def test_outputs_after_chain_equal_in_chain_bitwise(monkeypatch, chain_dots, K):
     """``ChunkConfig.outputs="after_chain"``: the chain stores each chunk's start state and U
     (bf16 with bf16 products), a token-parallel launch makes the outputs: the same bits as
     outputs inside the chain. Padding and out-of-range slots (zero outputs), a sequence with
-    no initial state, an empty one, lengths off the chunk grid, GVA, K != V, V below its
-    tile, output tiles narrower than V; tokens past the last sequence stay poisoned."""
-    H, HV, K, V = 1, 2, 32, 24
+    no initial state, an empty one, lengths off the chunk grid, GVA, K != V, K and V below
+    their tiles, output tiles narrower than V; tokens past the last sequence stay poisoned, and
+    the workspaces start as NaN (the output launch reads only what the chain wrote)."""
+    H, HV, V = 1, 2, 24
     x, A_log, dt_bias, cu, state, T = make_case(H, HV, K, V, [40, 7, 0, 33, 1], seed=13, act=torch.bfloat16,
                                                 extra_tokens=3)
+    poison_workspaces(monkeypatch)
     idx = torch.tensor([3, -1, 0, 5, 9], dtype=torch.int32)
     has_init = torch.tensor([True, True, True, False, True])
     got = []
@@ -552,8 +566,8 @@ def test_outputs_after_chain_equal_in_chain_bitwise(chain_dots):
     assert_close(got[1][0][:, :n], ref_out[:, :n], 2e-2, "outputs after the chain")
 
 
-@pytest.mark.parametrize("outputs", ["in_chain", "after_chain"])
-def test_bf16_qk_pairs_equal_float32_ones_bitwise(outputs):
+@pytest.mark.parametrize("outputs,products", [("in_chain", "block_programs"), ("after_chain", "by_slice")])
+def test_bf16_qk_pairs_equal_float32_ones_bitwise(outputs, products):
     """``ChunkConfig.qk_pairs_dtype="bfloat16"``: P stored rounded as the bf16 chain products
     take it gives the bits of float32 P (the products round it the same way); steep and mild
     sub-blocks (both of P's store paths), padding, GVA, K != V, lengths off the chunk grid.
@@ -568,15 +582,18 @@ def test_bf16_qk_pairs_equal_float32_ones_bitwise(outputs):
         pool = state.clone()
         out = torch.full((1, T, HV, V), POISON).to(torch.bfloat16)
         run_triton(x, A_log, dt_bias, cu, pool, idx, out,
-                   ChunkConfig(chunk=16, block_v=32, dot_precision="ieee", split_prep=True, split_rest=True,
+                   ChunkConfig(chunk=32, block_v=32, dot_precision="ieee", split_prep=True, split_rest=True,
                                qk_from_input=True, outputs=outputs, output_block_v=16, factor_dtype="bfloat16",
-                               chain_dot_dtype="bfloat16", qk_pairs_dtype=pairs))
+                               chain_dot_dtype="bfloat16", qk_pairs_dtype=pairs, inverse="doubling",
+                               diagonal_programs=True, products=products, factor_programs=True))
         got.append((out, pool))
     n = T - 3
     assert torch.isfinite(got[0][0][:, :n].float()).all() and (got[1][0][:, n:] == POISON).all()
     assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
     with pytest.raises(ValueError, match="qk_pairs_dtype='bfloat16' needs chain_dot_dtype='bfloat16'"):
         ChunkConfig(qk_pairs_dtype="bfloat16")
+    with pytest.raises(ValueError, match="lower_block_warps must be a power of two"):
+        ChunkConfig(lower_block_warps=3)
 
 
 @pytest.mark.parametrize("chunk,from_input,K,V", [(64, True, 40, 16), (32, False, 40, 16), (32, True, 16, 40)],
@@ -585,10 +602,11 @@ def test_bf16_qk_pairs_equal_float32_ones_bitwise(outputs):
 def test_block_and_slice_programs_equal_the_loops(monkeypatch, chunk, from_input, K, V):
     """``factor_programs`` (a program per K and V slice) gives the bits of the loop over the
     slices; ``products="block_programs"`` (a program per column block, in two launches: the
-    lower blocks on the lower half of the rows) the same products on fewer rows, equal to float32 rounding (the
-    interpreter's matrix products round by shape) and to float64. Steep and mild sub-blocks,
-    K != V both ways (some programs make no u, or no w), GVA, sequences of one token and off
-    the chunk grid; the programs need the split launches."""
+    lower blocks on the lower half of the rows) the same products on fewer rows, equal to
+    float32 rounding (the interpreter's matrix products round by shape) and to float64. Steep
+    and mild sub-blocks, K != V both ways (some programs make no u, or no w), GVA, sequences of
+    one token and off the chunk grid; with the inverse's diagonal programs and doubling, as
+    picked, and the workspaces starting as NaN. The programs need the split launches."""
     from kdakit.ops import chunk_prefill as module
     H, HV = 1, 2
     for fields in (dict(products="block_programs"), dict(factor_programs=True)):
@@ -600,7 +618,8 @@ def test_block_and_slice_programs_equal_the_loops(monkeypatch, chunk, from_input
     x["g"][0, chunk - 12: chunk, :, K // 2:] = 30.0
     idx = torch.tensor([4, 1, 0], dtype=torch.int32)
     base = dict(chunk=chunk, block_v=16, dot_precision="ieee", split_prep=True, split_rest=True,
-                qk_from_input=from_input, slice_k=16)
+                qk_from_input=from_input, slice_k=16, inverse="doubling", diagonal_programs=True)
+    poison_workspaces(monkeypatch)
     parts = []
     prep = module._chunk_prep
     monkeypatch.setattr(module, "_chunk_prep", lambda grid, args, constexprs, **kw: (

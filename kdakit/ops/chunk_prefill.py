@@ -46,7 +46,8 @@ The kernels:
    from the inputs and normalise them as they load. With ``ChunkConfig.split_prep`` (the picked default) the phases
    run as three launches of the same kernel (token-parallel; the exact pairs of steep
    sub-blocks, a program per sub-block; the rest), each holding fewer registers. With
-   ``split_rest`` the rest goes as three (products, inverse, w and u), and with
+   ``split_rest`` the rest goes as three (products, inverse, w and u; the products as two
+   with ``products="block_programs"``), and with
    ``diagonal_programs`` (picked) the inverse's 16 x 16 diagonal blocks are inverted one warp
    each by ``chunk_inverse.py`` between the products and the inverse launch, which then only
    builds the blocks below them (by doubling, ``inverse="doubling"``, picked).
@@ -147,8 +148,8 @@ class ChunkConfig:
     #                                  by the reciprocal row norms the first phase keeps, instead of float32
     #                                  k̂ and q̂ in the workspace (the same values: fewer bytes moved)
     split_rest: bool = False         # with split_prep, the last launch as three: the column-block
-    #                                  products, the inverse, w and u (fewer registers each; a profile
-    #                                  times the parts apart)
+    #                                  products (two launches with products="block_programs"), the
+    #                                  inverse, w and u (fewer registers each; a profile times them apart)
     factor_dtype: str = "float32"    # the chain's factors (w, u, q̂ ⊙ e^Γ, k̂ ⊙ e^(Γ_C - Γ)) as stored
     #                                  for the state kernel: "bfloat16" halves the bytes it streams per
     #                                  V tile, at one bf16 rounding of each factor (the math stays float32)
@@ -187,6 +188,9 @@ class ChunkConfig:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"ChunkConfig.{name} must be one of {', '.join(map(repr, allowed))} "
                                  f"(got {getattr(self, name)!r}).")
+        for name in ("prep_warps", "state_warps", "output_warps", "lower_block_warps"):
+            if getattr(self, name) not in (1, 2, 4, 8, 16):
+                raise ValueError(f"ChunkConfig.{name} must be a power of two up to 16 (got {getattr(self, name)!r}).")
         if self.qk_pairs_dtype == "bfloat16" and self.chain_dot_dtype != "bfloat16":
             raise ValueError("ChunkConfig.qk_pairs_dtype='bfloat16' needs chain_dot_dtype='bfloat16' (P is stored "
                              "rounded as the bf16 chain products take it; float32 products would see the rounding).")
@@ -209,9 +213,10 @@ def chunk_config(N: int, HV: int, K: int, V: int, chunk: int = CHUNK_SIZE,
     fill the GPU; many sequences reread the chunk's factors fewer times with wide ones).
     Head dims above 128 take 32-token chunks and V tiles of at most 32 rows.
     The later prep phases read q and k from the inputs (``qk_from_input``), the prep runs as
-    six launches (``split_prep``, ``split_rest``, the products as two) and one more that inverts the 16 x 16
-    diagonal blocks one warp each (``diagonal_programs``), after which the rest of the inverse
-    is built by doubling (``inverse``), and the chain's factors are stored in the
+    six launches (five at 16-token chunks; ``split_prep``, ``split_rest``, the products as two)
+    and one more that inverts the 16 x 16 diagonal blocks one warp each (``diagonal_programs``),
+    after which the rest of the inverse is built by doubling (``inverse``), and the chain's
+    factors are stored in the
     activations' dtype when that is bf16 (``factor_dtype``; float32 otherwise), as fla stores
     its w and u: the chain streams half the bytes and its kernel holds fewer registers, and the
     call stays more accurate against float64 than fla's (docs/tuning.md, "chunk_prefill").
@@ -353,9 +358,9 @@ def _chunk_prep_kernel(
 
     # ---- A (β-scaled, strictly lower) and P (lower) ----
     # By column block j (the pairs whose earlier token r is in sub-block j), over all the rows
-    # below it at once: a [C, K] x [K, 16] product, the rows split over the warps (16-row
-    # products would copy their left operand into every warp). Factored at a token b,
-    # e^(Γ_s - Γ_r) = e^(Γ_s - Γ_b) · e^(Γ_b - Γ_r):
+    # below it at once: a [C, K] x [K, 16] product ([C / 2, K] in block_programs' lower launch),
+    # the rows split over the warps (16-row products would copy their left operand into every
+    # warp). Factored at a token b, e^(Γ_s - Γ_b) · e^(Γ_b - Γ_r) = e^(Γ_s - Γ_r):
     # - b the token before sub-block j, the block's own rows included, where the sub-block's
     #   log-decay spread (Γ_b - Γ of its last token, per channel) is at most ``diag_spread_max``:
     #   e^(Γ_b - Γ_r) <= e^spread, the only positive exponent (e^60 is far inside float32), and
@@ -735,8 +740,8 @@ def _chunk_state_kernel(
 @triton.jit
 def _chunk_output_kernel(out, slot_indices, cu_seqlens, chunk_first, chunk_seq, ws_q, ws_p, ws_h, ws_v,
                          num_seqs, num_slots, T, stride_o_t, stride_o_h,
-                         HV: tl.constexpr, V: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V_WS: tl.constexpr,
-                         BLOCK_V: tl.constexpr, C: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                         HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BLOCK_K: tl.constexpr,
+                         BLOCK_V_WS: tl.constexpr, BLOCK_V: tl.constexpr, C: tl.constexpr, DOT_PRECISION: tl.constexpr,
                          BF16_DOTS: tl.constexpr):
     """A chunk's outputs ``o = (q̂ ⊙ e^Γ) S0ᵀ + P U`` from the start state and ``U`` the chain
     stored (``OUTPUTS`` 2), one program per (V tile, value head, chunk): the products the
@@ -756,8 +761,9 @@ def _chunk_output_kernel(out, slot_indices, cu_seqlens, chunk_first, chunk_seq, 
     b_qg = tl.load(ws_q + (ws_row + offs_c[:, None]) * BLOCK_K + offs_k[None, :], mask=rows[:, None], other=0.0)
     b_P = tl.load(ws_p + (ws_row + offs_c[:, None]) * C + offs_c[None, :],  # above the diagonal: unwritten
                   mask=rows[:, None] & (offs_c[:, None] // 16 >= offs_c[None, :] // 16), other=0.0)
+    # the chain stores the state's K columns only: the tile's columns past K are never written
     b_S = tl.load(ws_h + ((c64 * HV + i_hv) * BLOCK_V_WS + offs_v[:, None]) * BLOCK_K + offs_k[None, :],
-                  mask=mask_v[:, None] & _bcast(n_tok > 0, mask_v[:, None]), other=0.0)
+                  mask=mask_v[:, None] & (offs_k < K)[None, :] & _bcast(n_tok > 0, mask_v[:, None]), other=0.0)
     b_U = tl.load(ws_v + (ws_row + offs_c[:, None]) * BLOCK_V_WS + offs_v[None, :],
                   mask=rows[:, None] & mask_v[None, :], other=0.0)
     b_o = _chain_dot(b_qg, tl.trans(b_S), None, BF16_DOTS, DOT_PRECISION)
@@ -941,7 +947,7 @@ def chunk_prefill_triton(q, k, v, g, beta, state, slot_indices, out, *, cu_seqle
             _chunk_output((cdiv(V, bv_out), HV, max_chunks),
                           (out, slot_indices, cu_seqlens, first, seq, f_q, ws_p, ws_h, ws_v, N, state.shape[0], T,
                            out.stride(1), out.stride(2)),
-                          dict(HV=HV, V=V, BLOCK_K=BK, BLOCK_V_WS=BVW, BLOCK_V=bv_out, C=C,
+                          dict(HV=HV, K=K, V=V, BLOCK_K=BK, BLOCK_V_WS=BVW, BLOCK_V=bv_out, C=C,
                                DOT_PRECISION=cfg.dot_precision, BF16_DOTS=bf16_dots),
                           num_warps=cfg.output_warps, num_stages=1)
         return out

@@ -7,7 +7,8 @@ norms of k and q (the later phases read q and k from the inputs and scale them a
 tensor-core product over the rows at or below it, factored at a token ``b`` so that no exponent
 is positive beyond what the block's log-decay spread bounds (``chunk_prefill``'s module doc).
 By block (``_column_block_products``), a column block's products run over every K slice, in a
-loop over the blocks or a program per block on the rows the block covers; by slice
+loop over the blocks or a program per block (on all the rows, or for the lower half of the
+blocks on the lower half of the rows); by slice
 (``_pair_products_by_slice``), the K slices are the outer loop and each slice of k̂, q̂ and Γ
 feeds all blocks' products, summed in the same order: the same bits, a quarter of the loads.
 """
@@ -108,7 +109,7 @@ def _column_block_products(wa, wp, wk, wq, ww, wn, k_h, q_h, rows, b_beta, j, t0
                            SLICE: tl.constexpr, NORMED: tl.constexpr, QK_FROM_INPUT: tl.constexpr,
                            DOT_PRECISION: tl.constexpr):
     """Column block ``j``'s A and P over every K slice, on the chunk's ``rows`` (``b_beta`` their
-    β): all C of them, or only the rows from the block's start down (they are all it covers)."""
+    β): all C of them, or the lower half for a block in the lower half (no row above covers it)."""
     NB: tl.constexpr = C // 16
     ROWS: tl.constexpr = rows.shape[0]
     ref, below = _column_block_reference(ww, j, diag_spread_max, rows, BLOCK_K)
