@@ -12,9 +12,5 @@ def pytest_configure(config):
     if os.environ.get("KDAKIT_TEST_NAN_EMPTY") != "1":
         return
     import torch
-    empty, empty_like = torch.empty, torch.empty_like
-
-    def poisoned(t):
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-    torch.empty = lambda *args, **kwargs: poisoned(empty(*args, **kwargs))
-    torch.empty_like = lambda *args, **kwargs: poisoned(empty_like(*args, **kwargs))
+    from helpers import nan_filled
+    torch.empty, torch.empty_like = nan_filled(torch.empty), nan_filled(torch.empty_like)

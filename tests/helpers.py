@@ -6,6 +6,15 @@ import torch
 POISON = 1e30
 
 
+def nan_filled(make):
+    """``make`` (``torch.empty`` or ``torch.empty_like``) whose floating tensors start as NaN: a
+    kernel that reads a workspace entry nothing wrote turns its outputs non-finite."""
+    def poisoned(*args, **kwargs):
+        t = make(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+    return poisoned
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     out, ref = out.double(), ref.double()
     if not torch.isfinite(out).all():

@@ -15,7 +15,7 @@ from kdakit.ops.chunk_prefill import (BETA_SIGMOID, ChunkConfig, chunk_plan, chu
                                       max_chunks_for)
 
 from fla_oracle import fla_log_gate, fla_varlen
-from helpers import POISON, assert_close, kda_params, rel_err
+from helpers import POISON, assert_close, kda_params, nan_filled, rel_err
 
 F64 = torch.float64
 IEEE16 = ChunkConfig(chunk=16, block_v=16, dot_precision="ieee")
@@ -72,14 +72,8 @@ def ref64(x, A_log, dt_bias, cu, state, idx, *, lower_bound=None, has_initial_st
 
 
 def poison_workspaces(monkeypatch):
-    """Every floating tensor ``torch.empty`` makes while the test runs starts as NaN: a kernel
-    that reads a workspace entry nothing wrote turns its outputs non-finite."""
-    empty = torch.empty
-
-    def nan_empty(*args, **kwargs):
-        t = empty(*args, **kwargs)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-    monkeypatch.setattr(torch, "empty", nan_empty)
+    """Every floating tensor ``torch.empty`` makes while the test runs starts as NaN."""
+    monkeypatch.setattr(torch, "empty", nan_filled(torch.empty))
 
 
 def run_triton(x, A_log, dt_bias, cu, state, idx, out, config, *, lower_bound=None, has_initial_state=None,

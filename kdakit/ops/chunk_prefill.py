@@ -419,16 +419,16 @@ def _chunk_prep_kernel(
                     _column_block_products(wa, wp, wk, wq, ww, wn, k_h, q_h, offs_c, b_beta, j, t0, n_tok,
                                            stride_k_t, stride_q_t, scale, diag_spread_max, K, BLOCK_K, C, SLICE,
                                            USE_QK_L2NORM, QK_FROM_INPUT, DOT_PRECISION)
-            elif BLOCK_LAUNCH == 1:  # a program per block of the upper half, on every row
-                _column_block_products(wa, wp, wk, wq, ww, wn, k_h, q_h, offs_c, b_beta, part, t0, n_tok,
-                                       stride_k_t, stride_q_t, scale, diag_spread_max, K, BLOCK_K, C, SLICE,
-                                       USE_QK_L2NORM, QK_FROM_INPUT, DOT_PRECISION)
-            else:  # a program per block of the lower half, on the lower half of the rows (all it covers)
-                rows_h = C // 2 + tl.arange(0, C // 2)
-                beta_h = _beta_values(beta, t0 + rows_h, rows_h < n_tok, stride_b_t, stride_b_h, i_hv, BETA_MODE)
-                _column_block_products(wa, wp, wk, wq, ww, wn, k_h, q_h, rows_h, beta_h, NB // 2 + part, t0, n_tok,
-                                       stride_k_t, stride_q_t, scale, diag_spread_max, K, BLOCK_K, C, SLICE,
-                                       USE_QK_L2NORM, QK_FROM_INPUT, DOT_PRECISION)
+            else:  # a program per block: of the upper half on every row (BLOCK_LAUNCH 1), of the
+                #      lower half on the lower half of the rows, all it covers (2)
+                rows, betas, j = offs_c, b_beta, part
+                if BLOCK_LAUNCH == 2:
+                    rows = C // 2 + tl.arange(0, C // 2)
+                    betas = _beta_values(beta, t0 + rows, rows < n_tok, stride_b_t, stride_b_h, i_hv, BETA_MODE)
+                    j = NB // 2 + part
+                _column_block_products(wa, wp, wk, wq, ww, wn, k_h, q_h, rows, betas, j, t0, n_tok, stride_k_t,
+                                       stride_q_t, scale, diag_spread_max, K, BLOCK_K, C, SLICE, USE_QK_L2NORM,
+                                       QK_FROM_INPUT, DOT_PRECISION)
     tl.debug_barrier()
 
     if PHASES & 8:
