@@ -1,7 +1,8 @@
 """Tree verify on the GPU: checks at real sizes against float64, then timings.
 
     python benchmarks/bench_tree_verify.py [--quick] [--batches 8,64,256] [--nodes 4,8,16]
-                                           [--configs ...] [--commit-configs ...] [--name tree_verify_h200]
+                                           [--configs ...] [--ring-configs ...] [--commit-configs ...]
+                                           [--name tree_verify_h200]
 
 Tree verify (kdakit/ops/tree_verify.py) against the chain verify (mtp_verify, snapshot mode)
 at the same node count, H = HV = 32, K = V = 128, bf16 activations, float32 states, safe
@@ -27,6 +28,7 @@ import kdakit
 from kdakit import reference
 from kdakit.bench import harness
 from kdakit.ops.mtp_verify import VerifyConfig, ring_form
+from kdakit.ops.ring_verify import RingVerifyConfig
 from kdakit.ops.tree_commit import TreeCommitConfig
 
 H = HV = 32
@@ -229,6 +231,48 @@ def verify_config(group):
 
 
 @contextlib.contextmanager
+def ring_config(group):
+    """The tree verify's ring mode in the chunk form whatever the batch, with ``group``'s
+    RingVerifyConfig fields over the picked ones, while the block runs (graph capture included)."""
+    from dataclasses import replace
+    from kdakit.ops import tree_verify as tree_module
+    pinned = tree_module.tree_verify_config
+
+    def pick(*a, **kw):
+        config = pinned(*a, **kw)
+        ring = (harness.parse_configs(group, RingVerifyConfig, base=config.ring) or [config.ring])[0]
+        return replace(config, ring_form="chunked", ring=ring)
+    tree_module.tree_verify_config = pick
+    try:
+        yield
+    finally:
+        tree_module.tree_verify_config = pinned
+
+
+def check_ring_configs(results, groups):
+    """Every swept ring config: outputs the snapshot mode's up to rounding, ring entries the
+    picked config's bit for bit, the path commit the accepted node's snapshot bit for bit."""
+    for N, T, conv, shape in ((8, 8, True, "top2"), (8, 8, False, "random"), (64, 16, False, "random"),
+                              (3, 5, True, "random")):
+        snap, picked, accepted, paths, lens = verified_pair(N, T, conv, shape, seed=9)
+        want = snap["state"].clone()
+        kdakit.commit_snapshots(want, snap["snapshots"], snap["slots"], snap["scratch_idx"], accepted)
+        for group in groups:
+            ring = make_layer(N, T, conv=conv, mode="ring", shape=shape, seed=9)
+            with ring_config(group):
+                tree_call(ring)()
+            got = ring["state"].clone()
+            kdakit.commit_tree_ring(got, *ring["rings"], ring["slots"], paths, lens)
+            e_out = rel(ring["out"], snap["out"])
+            live = ring["slots"][ring["slots"] >= 0].long()  # the entries of the requests' slots
+            same_rings = all(torch.equal(x[live], y[live]) for x, y in zip(ring["rings"], picked["rings"]))
+            results["checks"].append({"case": f"tree-ring-{shape}-N{N}-T{T}-conv{int(conv)}-[{group}]",
+                                      "out_err": e_out, "rings_equal": same_rings,
+                                      "commit_equal": torch.equal(got, want),
+                                      "ok": e_out < 1e-2 and same_rings and torch.equal(got, want)})
+
+
+@contextlib.contextmanager
 def commit_config(group):
     """commit_tree_ring with ``group``'s TreeCommitConfig fields over the picked config while the block runs."""
     from kdakit.ops import tree_commit
@@ -281,7 +325,7 @@ def time_calls(results, name, layers, call, moved, **base):
     add_row(results, name, t, moved, layers=len(layers), **base)
 
 
-def timings(results, batches, nodes, conv_too=True, groups=(), commit_groups=()):
+def timings(results, batches, nodes, conv_too=True, groups=(), commit_groups=(), ring_groups=()):
     for T in nodes:
         for N in batches:
             base = {"N": N, "T": T}
@@ -315,6 +359,9 @@ def timings(results, batches, nodes, conv_too=True, groups=(), commit_groups=())
             for shape in ("top2", "random"):
                 layers = [make_layer(N, T, conv=False, mode="ring", shape=shape, seed=i) for i in range(nl)]
                 time_calls(results, f"tree-ring-{shape}", layers, tree_call, ring_moved, **base)
+                for group in ring_groups:  # the swept configs, same layers
+                    with ring_config(group):
+                        time_calls(results, f"tree-ring-{shape}[{group}]", layers, tree_call, ring_moved, **base)
                 for L in layers:
                     tree_call(L)()
                 commits = []
@@ -341,6 +388,9 @@ def main():
     ap.add_argument("--configs", default=None,
                     help="VerifyConfig variants of the snapshot verifies (tree and chain) to time besides the picked "
                          "one, harness.parse_configs syntax, e.g. 'unroll_steps=false;prefetch_parent=true'")
+    ap.add_argument("--ring-configs", default=None,
+                    help="RingVerifyConfig variants of the ring verify (the chunk form whatever the batch) to time "
+                         "besides the picked form, e.g. 'one_launch=true,state_block_v=16;one_launch=true'")
     ap.add_argument("--commit-configs", default=None,
                     help="TreeCommitConfig variants of the path commit to time besides the picked one, e.g. "
                          "'block_v=8;block_v=32' (one warp: more warps are not the snapshot's bits)")
@@ -353,16 +403,19 @@ def main():
     nodes = [int(x) for x in args.nodes.split(",")] if args.nodes else ([4, 8] if args.quick else [4, 8, 16])
     groups = harness.config_groups(args.configs, VerifyConfig, base=VerifyConfig(block_v=8))
     commit_groups = harness.config_groups(args.commit_configs, TreeCommitConfig, base=TreeCommitConfig(block_v=8))
+    ring_groups = harness.config_groups(args.ring_configs, RingVerifyConfig, base=RingVerifyConfig())
     results = harness.new_results(H=H, HV=HV, K=K, V=V, lower_bound=LOWER_BOUND)
     if not args.skip_checks:
         correctness(results)
         check_configs(results, groups)
         check_commit_configs(results, commit_groups)
+        check_ring_configs(results, ring_groups)
     failed = [c["case"] for c in results["checks"] if not c["ok"]]
     for c in results["checks"]:
         print(("ok   " if c["ok"] else "FAIL ") + c["case"], {k: v for k, v in c.items() if k not in ("case", "ok")})
     if not failed:
-        timings(results, batches, nodes, conv_too=not args.quick, groups=groups, commit_groups=commit_groups)
+        timings(results, batches, nodes, conv_too=not args.quick, groups=groups, commit_groups=commit_groups,
+                ring_groups=ring_groups)
     harness.close_results(results)
     path = harness.save(results, args.name, harness.results_folder(__file__))
     harness.print_table(results["rows"], ["name", "N", "T", "us", "GB/s", "pct_of_copy", "layers"])
