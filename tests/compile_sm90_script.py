@@ -40,14 +40,12 @@ def rnd(*shape, dtype=bf):
     return torch.randn(*shape, generator=g).to(dtype)
 
 
-def chunk_form(launcher, picker, *args, lower_bound=None, one_launch=False, **kw):
+def chunk_form(launcher, picker, *args, lower_bound=None, **kw):
     """A verify's public call as its Triton launch, with its pinned config (``picker``) but
-    ring mode's chunk form at any batch (``config=``), in two launches or ``one_launch``."""
+    ring mode's chunk form at any batch (``config=``)."""
     q, v = args[0], args[2]
     (n, t, _, k), (hv, v_dim) = q.shape, v.shape[2:]
-    config = picker(n, t, hv, v_dim, k, lower_bound)
-    config = dataclasses.replace(config, ring_form="chunked",
-                                 ring=dataclasses.replace(config.ring, one_launch=one_launch))
+    config = dataclasses.replace(picker(n, t, hv, v_dim, k, lower_bound), ring_form="chunked")
     kw = dict(dict(conv_weights=None, conv_states=None, intermediate_conv=None, conv_bias=None, snapshots=None,
                    norm_gate=None, norm_weight=None, norm_eps=1e-6), **kw)
     return launcher(*args, torch.empty(v.shape, dtype=q.dtype), scale=k ** -0.5, lower_bound=lower_bound,
@@ -251,19 +249,6 @@ chunk_form(tree_verify_triton, tree_verify_config, tq, tk, tv, ta, tb, torch.ran
 chunk_form(tree_verify_triton, tree_verify_config, tq, tk, tv, ta, tb, torch.rand(HT), torch.randn(HT * K), t_state,
            idx, scratch, t_parents.long(), rings=t_rings)
 assert "_tree_verify_kernel" not in COMPILED_FOR_TARGET[n_before:], COMPILED_FOR_TARGET[n_before:]
-# The chunk form in one launch (RingVerifyConfig.one_launch): chains and trees, with the conv
-# before it and the norm after it; a chain of one step (x and M padded 16-fold for the dots).
-n_before = len(COMPILED_FOR_TARGET)
-chunk_form(mtp_verify_triton, mtp_verify_config, q, k, v, aT, bT, A_log, dt_bias, state, idx, scratch,
-           conv_weights=conv_weights, conv_states=conv_states, intermediate_conv=inter, rings=rings,
-           norm_gate=rnd(N, T, HV, V), norm_weight=torch.rand(V), one_launch=True)
-chunk_form(mtp_verify_triton, mtp_verify_config, q[:, :1], k[:, :1], v[:, :1], aT[:, :1], bT[:, :1], A_log, dt_bias,
-           state.to(bf), idx, scratch, rings=rings, lower_bound=-5.0, one_launch=True)
-chunk_form(tree_verify_triton, tree_verify_config, tq, tk, tv, ta, tb, torch.rand(HT), torch.randn(HT * K), t_state,
-           idx, scratch, t_parents, rings=t_rings, lower_bound=-5.0, norm_gate=rnd(N, TT, HT, V),
-           norm_weight=torch.rand(V), one_launch=True, **t_conv)
-assert COMPILED_FOR_TARGET[n_before:].count("_ring_verify_one_launch_kernel") == 3, COMPILED_FOR_TARGET[n_before:]
-assert "_ring_verify_state_kernel" not in COMPILED_FOR_TARGET[n_before:], COMPILED_FOR_TARGET[n_before:]
 # Long trees and chains: the node / step loop (VerifyConfig.unroll_steps=False), with the
 # parent prefetch in snapshot mode and the refold in ring mode's recurrence.
 TL = 9

@@ -13,14 +13,7 @@ from kdakit.compat import sglang
 from helpers import assert_close
 
 BACKENDS = ["reference", "triton"]
-# kdakit.ops.mtp_verify.ring_form and RingVerifyConfig.one_launch: the batch size picks one
-RING_FORMS = ["chunked", "one_launch", "recurrent"]
-
-
-def with_ring_form(config, form):
-    """``config`` with ring mode's form: "recurrent", "chunked" (two launches) or "one_launch"."""
-    ring = dataclasses.replace(config.ring, one_launch=form == "one_launch")
-    return dataclasses.replace(config, ring_form="recurrent" if form == "recurrent" else "chunked", ring=ring)
+RING_FORMS = ["chunked", "recurrent"]  # kdakit.ops.mtp_verify.ring_form: the batch size picks one
 
 
 @pytest.fixture
@@ -32,7 +25,7 @@ def use_ring_form(monkeypatch):
 
     def use(form):
         monkeypatch.setattr(mtp_verify_module, "mtp_verify_config",
-                            lambda *a, **kw: with_ring_form(pinned(*a, **kw), form))
+                            lambda *a, **kw: dataclasses.replace(pinned(*a, **kw), ring_form=form))
     return use
 F64 = torch.float64
 W = 4
@@ -304,8 +297,8 @@ def test_snapshot_and_ring_verify_agree_and_ring_commit_is_bitwise(T, tile_bytes
     from kdakit.ops.mtp_verify import mtp_verify_config, mtp_verify_triton, recurrence_tile
     p, d = make_problem(41, act=torch.bfloat16, conv=True, T=T, K=16, V=16, padding=True)
     block_v, num_warps = recurrence_tile(d["V"], d["K"], tile_bytes)
-    verify_config = with_ring_form(dataclasses.replace(mtp_verify_config(d["N"], T, d["HV"], d["V"], d["K"], -3.0),
-                                                       block_v=block_v, num_warps=num_warps), form)
+    verify_config = dataclasses.replace(mtp_verify_config(d["N"], T, d["HV"], d["V"], d["K"], -3.0), block_v=block_v,
+                                        num_warps=num_warps, ring_form=form)
     commit_config = CommitRingConfig(block_v=block_v, num_warps=num_warps, tiles=commit_tiles, steps_ahead=steps_ahead)
     results = {}
     for mode in ("snapshot", "ring"):

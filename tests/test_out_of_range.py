@@ -271,7 +271,6 @@ CASES = [  # (op counted, case builder, the index of the bad row's outputs, or N
       for mode, conv, bad in (("snapshot", False, "slot"), ("snapshot", False, "row"),
                               ("snapshot", True, "negative-row"), ("ring-recurrent", False, "slot"),
                               ("ring-chunked", False, "slot"), ("ring-chunked", True, "row"),
-                              ("ring-one_launch", False, "slot"), ("ring-one_launch", True, "row"),
                               ("ring-recurrent", True, "negative-row"))],
     *[pytest.param("commit_snapshots", lambda b, x=bad: case_commit_snapshots(b, x), None,
                    id=f"commit_snapshots-{bad}") for bad in ("slot", "row", "negative-row", "step")],
@@ -322,16 +321,11 @@ def configure(monkeypatch, request):
     from kdakit.ops import fused_decode as fused_module
     from kdakit.ops import mtp_verify as verify_module
     name = request.node.callspec.id
-    for form in ("chunked", "one_launch", "recurrent"):
+    for form in ("chunked", "recurrent"):
         if f"ring-{form}" in name:
             pinned = verify_module.mtp_verify_config
-
-            def pick(*a, form=form, **kw):
-                config = pinned(*a, **kw)
-                ring = dataclasses.replace(config.ring, one_launch=form == "one_launch")
-                return dataclasses.replace(config, ring_form="recurrent" if form == "recurrent" else "chunked",
-                                           ring=ring)
-            monkeypatch.setattr(verify_module, "mtp_verify_config", pick)
+            monkeypatch.setattr(verify_module, "mtp_verify_config",
+                                lambda *a, form=form, **kw: dataclasses.replace(pinned(*a, **kw), ring_form=form))
     if "chain" in name:
         monkeypatch.setattr(fused_module, "fused_decode_config",
                             functools.partial(fused_module.fused_decode_config, chain_above_pairs=0))

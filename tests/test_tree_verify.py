@@ -391,9 +391,8 @@ def test_ring_chunk_form_matches_reference_and_ring_commit_is_bitwise(conv, norm
         """The pinned config with ring mode's form forced, the pair sums factored only where asked and the rule allows."""
         def config(*args, **kw):
             config = pinned(*args, **kw)
-            ring = dataclasses.replace(config.ring, factored=factored and config.ring.factored,
-                                       one_launch=form == "one_launch")
-            return dataclasses.replace(config, ring_form="recurrent" if form == "recurrent" else "chunked", ring=ring)
+            return dataclasses.replace(config, ring_form=form,
+                                       ring=dataclasses.replace(config.ring, factored=factored and config.ring.factored))
         return config
     assert (factored and ring_verify.factored_pair_sums(T, lower_bound)) == factored
     p, d = make_problem(83, N=5, T=T, HV=HV, act=act, conv=conv, norm=norm, K=16, V=24, slots=7, scratch=6)
@@ -410,28 +409,26 @@ def test_ring_chunk_form_matches_reference_and_ring_commit_is_bitwise(conv, norm
     call_tree(p, snap_bufs, conv=conv, lower_bound=lower_bound, backend="triton")
     snap_errors = kdakit.take_errors()
     results = {}
-    for form in ("recurrent", "chunked", "one_launch"):
+    for form in ("recurrent", "chunked"):
         monkeypatch.setattr(tree_verify_module, "tree_verify_config", pick(form))
         bufs, rings = fresh_buffers(d), ring_buffers(d)
         out = call_tree(p, dict(bufs, snapshots=None), conv=conv, lower_bound=lower_bound, backend="triton",
                         rings=rings)
         results[form] = out, bufs, rings, kdakit.take_errors()
+    out, bufs, rings, errs = results["chunked"]
     rec_out, rec_bufs, rec_rings, rec_errs = results["recurrent"]
     tol = 1e-5 if act == torch.float32 else 2e-2
     live = (p["slot_indices"] >= 0) & (p["slot_indices"] < d["slots"]) & (p["scratch_indices"] < d["scratch"])
-    for form in ("chunked", "one_launch"):  # the chunk form in two launches and in one
-        out, bufs, rings, errs = results[form]
-        assert_close(out[live], ref_out[live], tol, f"{form} vs float64 reference")
-        assert_close(out, rec_out, 1e-5 if act == torch.float32 else 1e-2, f"{form} vs recurrence")
-        assert torch.equal(out[~live], torch.zeros_like(out[~live])), "padding rows' outputs are zero"
-        assert errs == rec_errs == snap_errors and errs.get("tree_verify", 0) >= 2, errs
-        for x, y in zip(rings, rec_rings):
-            assert torch.equal(x, y), f"{form} ring entries: the recurrence's bits"
-        if conv:
-            for x, y in zip(bufs["intermediate_conv"], rec_bufs["intermediate_conv"]):
-                assert torch.equal(x, y)
-        assert (bufs["snapshots"] == POISON).all(), "ring mode writes no snapshot"
-    rings = results["chunked"][2]
+    assert_close(out[live], ref_out[live], tol, "chunk form vs float64 reference")
+    assert_close(out, rec_out, 1e-5 if act == torch.float32 else 1e-2, "chunk form vs recurrence")
+    assert torch.equal(out[~live], torch.zeros_like(out[~live])), "padding rows' outputs are zero"
+    assert errs == rec_errs == snap_errors and errs.get("tree_verify", 0) >= 2, errs
+    for x, y in zip(rings, rec_rings):
+        assert torch.equal(x, y), "ring entries: the recurrence's bits"
+    if conv:
+        for x, y in zip(bufs["intermediate_conv"], rec_bufs["intermediate_conv"]):
+            assert torch.equal(x, y)
+    assert (bufs["snapshots"] == POISON).all(), "ring mode writes no snapshot"
     effective = [[q if 0 <= q < t else -1 for t, q in enumerate(row)] for row in p["parents"].tolist()]
     for node in range(T):
         paths = torch.full((d["N"], T), -1, dtype=torch.int32)

@@ -65,36 +65,42 @@ def tree_path_bits(par, T: tl.constexpr, BLOCK_T: tl.constexpr):
 
 
 @triton.jit
-def ring_steps(
-    q, k, a, b, A_log, dt_bias, parents, ring_k, ring_g, ring_beta, errors, s_rk_slot, s_rg_slot, s_rb_slot,
-    ring_len, scale, lower_bound, i_hv, i_n, slot, live, writer,
+def _ring_verify_steps_kernel(
+    q, k, a, b, A_log, dt_bias, slot_indices, scratch_indices, parents, x_rows, m_rows,
+    ring_k, ring_g, ring_beta, errors, s_rk_slot, s_rg_slot, s_rb_slot, ring_len,
+    num_slots, num_rows, scale, lower_bound,
     T: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, SAFE_GATE: tl.constexpr, FACTORED: tl.constexpr,
-    TREE: tl.constexpr, WAIT_FOR_TOKENS: tl.constexpr, ERR_INDEX: tl.constexpr,
+    TREE: tl.constexpr,
+    WAIT_FOR_TOKENS: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr, CHECK_ROWS: tl.constexpr,
+    ERR_INDEX: tl.constexpr,
 ):
-    """x [BLOCK_T, BLOCK_K] and M [BLOCK_T, BLOCK_T] of (request ``i_n``, value head ``i_hv``)
-    on one warp (v enters with the state). Where ``writer``, also the k, g, β ring entries
-    and the error counts: one program of a head writes them. The k ring has one writer per
-    key head: the group's first value head. TREE: the pairs and decay sums follow each
-    node's root-to-node path (``parents`` [N, T]); otherwise the steps form a chain
-    (``parents`` is not read)."""
+    # One program per (request, value head): x and M (v enters in the state kernel). The k
+    # ring has one writer per key head: the group's first value head. TREE: the pairs and
+    # decay sums follow each node's root-to-node path (``parents`` [N, T]); otherwise the
+    # steps form a chain (``parents`` is not read).
+    i_hv, i_n = tl.program_id(0), tl.program_id(1)
+    if LAUNCH_DEPENDENTS:  # the state kernel may start now
+        gdc_launch_dependents()
     G: tl.constexpr = HV // H
     i_h = i_hv // G
     offs_t = tl.arange(0, BLOCK_T)
     offs_k = tl.arange(0, BLOCK_K)
     mask_t = offs_t < T
     mask_tk = mask_t[:, None] & (offs_k < K)[None, :]
+    # Padding rows, and indices past their buffers (as every kernel of the verify decides).
+    slot, row, live = verify_request(slot_indices, scratch_indices, i_n, num_slots, num_rows, CHECK_ROWS)
     if TREE:
         # tree_verify's count, by value head 0: a claimed slot whose slot or row is outside
         # its buffer, once; for a live request, each node whose parent is invalid.
         if ERR_INDEX >= 0:
-            if writer & (i_hv == 0):
+            if i_hv == 0:
                 n_bad = ((slot >= 0) & ~live).to(tl.int32)
                 if live:
                     n_bad = count_invalid_parents(parents + i_n.to(tl.int64) * T, T, BLOCK_T)
                 count_bad_rows(errors, n_bad, ERR_INDEX)
     else:
-        count_bad_row(errors, (slot >= 0) & ~live & (i_hv == 0) & writer, ERR_INDEX)
+        count_bad_row(errors, (slot >= 0) & ~live & (i_hv == 0), ERR_INDEX)
     bias = tl.load(dt_bias + i_hv * K + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
     A_log_h = tl.load(A_log + i_hv).to(tl.float32)
     if WAIT_FOR_TOKENS:  # q and k come from the conv prologue launched just before
@@ -111,11 +117,11 @@ def ring_steps(
     # The commit's replay reads these (k before its L2 norm).
     ring_rows_k = (offs_t * K)[:, None] + offs_k[None, :]
     tl.store(ring_k + slot * s_rk_slot + i_h * ring_len * K + ring_rows_k, k_in.to(ring_k.dtype.element_ty),
-             mask=mask_if(mask_tk, live & writer & (i_hv % G == 0)))
+             mask=mask_if(mask_tk, live & (i_hv % G == 0)))
     tl.store(ring_g + slot * s_rg_slot + i_hv * ring_len * K + ring_rows_k, g.to(ring_g.dtype.element_ty),
-             mask=mask_if(mask_tk, live & writer))
+             mask=mask_if(mask_tk, live))
     tl.store(ring_beta + slot * s_rb_slot + i_hv * ring_len + offs_t, beta.to(ring_beta.dtype.element_ty),
-             mask=mask_if(mask_t, live & writer))
+             mask=mask_if(mask_t, live))
 
     k_raw = k_in.to(tl.float32)
     q_hat = q_raw * (scale / tl.sqrt(tl.sum(q_raw * q_raw, axis=1) + 1e-6))[:, None]
@@ -186,34 +192,8 @@ def ring_steps(
     for s in tl.static_range(T):
         m_s = tl.sum(tl.where(offs_t[None, :] == s, M, 0.0), axis=1)
         x -= m_s[:, None] * tl.sum(tl.where(offs_t[:, None] == s, k_gated, 0.0), axis=0)[None, :]
-    return x, M
-
-
-@triton.jit
-def _ring_verify_steps_kernel(
-    q, k, a, b, A_log, dt_bias, slot_indices, scratch_indices, parents, x_rows, m_rows,
-    ring_k, ring_g, ring_beta, errors, s_rk_slot, s_rg_slot, s_rb_slot, ring_len,
-    num_slots, num_rows, scale, lower_bound,
-    T: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, SAFE_GATE: tl.constexpr, FACTORED: tl.constexpr,
-    TREE: tl.constexpr,
-    WAIT_FOR_TOKENS: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr, CHECK_ROWS: tl.constexpr,
-    ERR_INDEX: tl.constexpr,
-):
-    # One program per (request, value head): x and M to the workspace for the state kernel.
-    i_hv, i_n = tl.program_id(0), tl.program_id(1)
-    if LAUNCH_DEPENDENTS:  # the state kernel may start now
-        gdc_launch_dependents()
-    # Padding rows, and indices past their buffers (as every kernel of the verify decides).
-    slot, row, live = verify_request(slot_indices, scratch_indices, i_n, num_slots, num_rows, CHECK_ROWS)
-    x, M = ring_steps(q, k, a, b, A_log, dt_bias, parents, ring_k, ring_g, ring_beta, errors, s_rk_slot, s_rg_slot,
-                      s_rb_slot, ring_len, scale, lower_bound, i_hv, i_n, slot, live, True,
-                      T, H, HV, K, BLOCK_T, BLOCK_K, SAFE_GATE, FACTORED, TREE, WAIT_FOR_TOKENS, ERR_INDEX)
-    offs_t = tl.arange(0, BLOCK_T)
-    offs_k = tl.arange(0, BLOCK_K)
-    mask_t = offs_t < T
     head_rows = (i_n.to(tl.int64) * HV + i_hv) * T + offs_t
-    tl.store(x_rows + head_rows[:, None] * K + offs_k[None, :], x, mask=mask_t[:, None] & (offs_k < K)[None, :])
+    tl.store(x_rows + head_rows[:, None] * K + offs_k[None, :], x, mask=mask_tk)
     tl.store(m_rows + head_rows[:, None] * T + offs_t[None, :], M, mask=mask_t[:, None] & mask_t[None, :])
 
 
@@ -261,76 +241,8 @@ def _ring_verify_state_kernel(
     tl.store(out + (tok * HV + i_hv)[None, :] * V + offs_v[:, None], o.to(out.dtype.element_ty), mask=mask_vt)
 
 
-@triton.jit
-def pad_rows_twice(x):
-    """[R, C] -> [2R, C], x above zero rows (a dot's operand takes at least 16 rows)."""
-    return tl.reshape(tl.permute(tl.join(x, tl.zeros_like(x)), (2, 0, 1)), (2 * x.shape[0], x.shape[1]))
-
-
-@triton.jit
-def pad_rows(x, ROWS: tl.constexpr, TO_ROWS: tl.constexpr):
-    """[ROWS, C] -> [TO_ROWS, C] (powers of two, TO_ROWS <= 16 ROWS), zero rows below x."""
-    tl.static_assert(TO_ROWS <= 16 * ROWS)
-    if ROWS < TO_ROWS:
-        x = pad_rows_twice(x)
-    if 2 * ROWS < TO_ROWS:
-        x = pad_rows_twice(x)
-    if 4 * ROWS < TO_ROWS:
-        x = pad_rows_twice(x)
-    if 8 * ROWS < TO_ROWS:
-        x = pad_rows_twice(x)
-    return x
-
-
-@triton.jit
-def _ring_verify_one_launch_kernel(
-    q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, parents, out,
-    ring_k, ring_v, ring_g, ring_beta, errors, stride_state_slot, s_rk_slot, s_rv_slot, s_rg_slot, s_rb_slot,
-    ring_len, num_slots, num_rows, scale, lower_bound,
-    T: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, DOT_T: tl.constexpr, BLOCK_V: tl.constexpr,
-    ROWS_PER_DOT: tl.constexpr, NUM_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    SAFE_GATE: tl.constexpr, FACTORED: tl.constexpr, TREE: tl.constexpr,
-    WAIT_FOR_TOKENS: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr, CHECK_ROWS: tl.constexpr,
-    ERR_INDEX: tl.constexpr,
-):
-    # Both kernels' work in one program of BLOCK_V state rows: where the requests are few,
-    # each program recomputing its head's x and M (a few µs on one warp) costs less than a
-    # second launch waiting on the first and the round trip of x and M. The V tile's first
-    # program writes the k, g, β ring entries and counts.
-    i_v, i_hv, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    if LAUNCH_DEPENDENTS:  # the output norm may start loading its gate now
-        gdc_launch_dependents()
-    slot, row, live = verify_request(slot_indices, scratch_indices, i_n, num_slots, num_rows, CHECK_ROWS)
-    x, M = ring_steps(q, k, a, b, A_log, dt_bias, parents, ring_k, ring_g, ring_beta, errors, s_rk_slot, s_rg_slot,
-                      s_rb_slot, ring_len, scale, lower_bound, i_hv, i_n, slot, live, i_v == 0,
-                      T, H, HV, K, BLOCK_T, BLOCK_K, SAFE_GATE, FACTORED, TREE, WAIT_FOR_TOKENS, ERR_INDEX)
-    # a padding row's tokens may be anything (NaN): zero x and M give it an exactly zero output
-    x_dot = pad_rows(tl.where(live, x, 0.0), BLOCK_T, DOT_T)                  # [DOT_T, BLOCK_K], zero past T
-    m_dot = pad_rows(tl.trans(pad_rows(tl.where(live, M, 0.0), BLOCK_T, DOT_T)), BLOCK_T, DOT_T)  # M^T
-    offs_t = tl.arange(0, DOT_T)
-    offs_k = tl.arange(0, BLOCK_K)
-    mask_t, mask_k = offs_t < T, offs_k < K
-    tok = i_n.to(tl.int64) * T + offs_t
-    state_head = state + slot * stride_state_slot + i_hv * V * K
-    for r0 in tl.range(0, BLOCK_V, ROWS_PER_DOT, num_stages=NUM_STAGES):
-        offs_v = i_v * BLOCK_V + r0 + tl.arange(0, ROWS_PER_DOT)
-        mask_v = offs_v < V
-        mask_vt = mask_v[:, None] & mask_t[None, :]
-        S0 = tl.load(state_head + offs_v[:, None] * K + offs_k[None, :],
-                     mask=mask_if(mask_v[:, None] & mask_k[None, :], live), other=0.0)
-        # not read for a padding row: its output is exactly zero whatever its v holds (0 * NaN is not)
-        vT = tl.load(v + (tok * HV + i_hv)[None, :] * V + offs_v[:, None], mask=mask_if(mask_vt, live), other=0.0)
-        tl.store(ring_v + slot * s_rv_slot + i_hv * ring_len * V + offs_t[None, :] * V + offs_v[:, None],
-                 vT.to(ring_v.dtype.element_ty), mask=mask_if(mask_vt, live))
-        o = tl.dot(S0.to(tl.float32), tl.trans(x_dot), input_precision=DOT_PRECISION)
-        o = tl.dot(vT.to(tl.float32), m_dot, o, input_precision=DOT_PRECISION)
-        tl.store(out + (tok * HV + i_hv)[None, :] * V + offs_v[:, None], o.to(out.dtype.element_ty), mask=mask_vt)
-
-
 _ring_verify_steps = CachedKernel(_ring_verify_steps_kernel)
 _ring_verify_state = CachedKernel(_ring_verify_state_kernel)
-_ring_verify_one_launch = CachedKernel(_ring_verify_one_launch_kernel)
 
 @dataclass(frozen=True)
 class RingVerifyConfig:
@@ -338,11 +250,7 @@ class RingVerifyConfig:
     and the gate). The state kernel's tile (``state_block_v`` rows on ``state_warps``), K
     chunk, pipeline depth and dot precision (tf32x3: three tf32 products, float32-level
     accuracy); the steps kernel's warps (``steps_warps``) and whether its pair sums are
-    factored (``factored_pair_sums``; only sound where the safe gate bounds the decay).
-    ``one_launch``: one kernel, each program of ``state_block_v`` rows (on ``steps_warps``)
-    computing its head's x and M itself and the rows ``rows_per_dot`` at a time (``k_chunk``
-    and ``state_warps`` unused): for few requests, where the second launch's wait costs more
-    than the repeated steps."""
+    factored (``factored_pair_sums``; only sound where the safe gate bounds the decay)."""
     state_block_v: int = 64
     state_warps: int = 4
     k_chunk: int = 32
@@ -350,8 +258,6 @@ class RingVerifyConfig:
     dot_precision: str = "tf32x3"
     steps_warps: int = 1
     factored: bool = False
-    one_launch: bool = False
-    rows_per_dot: int = 16
 
 
 # The pair sums factored as (k̂ e^G)(k̂ e^-G) where the safe gate bounds |G| by T |lower_bound|
@@ -390,28 +296,11 @@ def ring_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indi
     N, T, H, K = q.shape
     HV, V = v.shape[-2:]
     ring_k, ring_v, ring_g, ring_beta = rings
+    x_rows = torch.empty(N, HV, T, K, dtype=torch.float32, device=q.device)
+    m_rows = torch.empty(N, HV, T, T, dtype=torch.float32, device=q.device)
     cfg = config or ring_verify_config(T, lower_bound)
     tree = parents is not None
     assert not tree or T <= MAX_TREE_NODES, "a tree's chunk form takes at most MAX_TREE_NODES nodes"
-    if cfg.one_launch:
-        rows = max(16, min(cfg.rows_per_dot, next_power_of_2(V)))
-        block_v = max(rows, min(cfg.state_block_v, next_power_of_2(V)))
-        _ring_verify_one_launch(
-            (cdiv(V, block_v), HV, N),
-            (q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, parents if tree else slot_indices,
-             out, ring_k, ring_v, ring_g, ring_beta, errors.counters(q.device), state.stride(0), ring_k.stride(0),
-             ring_v.stride(0), ring_g.stride(0), ring_beta.stride(0), ring_k.shape[2], *bounds, float(scale),
-             float(lower_bound) if lower_bound is not None else 0.0),
-            dict(T=T, H=H, HV=HV, K=K, V=V, BLOCK_T=next_power_of_2(T), BLOCK_K=next_power_of_2(K),
-                 DOT_T=max(16, next_power_of_2(T)), BLOCK_V=block_v, ROWS_PER_DOT=rows, NUM_STAGES=cfg.num_stages,
-                 DOT_PRECISION=cfg.dot_precision, SAFE_GATE=lower_bound is not None,
-                 FACTORED=bool(cfg.factored) and lower_bound is not None, TREE=tree,
-                 WAIT_FOR_TOKENS=wait_for_tokens and pdl, LAUNCH_DEPENDENTS=launch_dependents and pdl,
-                 CHECK_ROWS=bounds[1] >= 0, ERR_INDEX=errors.INDEX["tree_verify" if tree else "mtp_verify"]),
-            num_warps=cfg.steps_warps, num_stages=1, launch_pdl=wait_for_tokens and pdl)
-        return out
-    x_rows = torch.empty(N, HV, T, K, dtype=torch.float32, device=q.device)
-    m_rows = torch.empty(N, HV, T, T, dtype=torch.float32, device=q.device)
     _ring_verify_steps(
         (HV, N),
         (q, k, a, b, A_log, dt_bias, slot_indices, scratch_indices, parents if tree else slot_indices, x_rows,
