@@ -36,7 +36,7 @@ from .ops.tree_verify import tree_verify
 from .state_pool import LayerCache, StatePool
 
 
-PREFILL_CHUNK_FROM = 96  # see KDALayer.prefill_chunk_from (docs/tuning.md: the measured crossover)
+PREFILL_CHUNK_FROM = 64  # see KDALayer.prefill_chunk_from (docs/tuning.md: the measured crossover)
 
 
 class KDALayer(nn.Module):

@@ -88,6 +88,20 @@ def test_mtp_pickers_apply_the_fields_at_each_shape():
     assert bench_mtp.commit_with("tiles=2,steps_ahead=1")(128, 128).tiles == 2
 
 
+def test_tree_bench_ring_configs_force_the_chunk_form_with_their_fields():
+    import bench_tree_verify
+    from kdakit.ops import tree_verify as tree_module
+    shapes = (8, 8, 32, 128, 128, -5.0)
+    picked = tree_module.tree_verify_config(*shapes)
+    with bench_tree_verify.ring_config("state_block_v=32,state_warps=2"):
+        swept = tree_module.tree_verify_config(*shapes)
+    assert tree_module.tree_verify_config(*shapes) == picked, "the picker is put back"
+    assert swept.ring_form == "chunked" and (swept.ring.state_block_v, swept.ring.state_warps) == (32, 2)
+    assert swept.ring.steps_warps == picked.ring.steps_warps and swept.block_v == picked.block_v
+    with bench_tree_verify.ring_config(""):
+        assert tree_module.tree_verify_config(1, 4, 32, 128, 128, None).ring_form == "chunked"
+
+
 def test_a_wrong_field_fails_before_anything_runs():
     with pytest.raises(ValueError, match="not field=value"):
         bench_mtp.sweep_groups("k_chunk=32", CommitRingConfig)
@@ -96,7 +110,8 @@ def test_a_wrong_field_fails_before_anything_runs():
 
 
 @pytest.mark.parametrize("script", ["bench_packed_decode", "bench_packed_decode_helion", "bench_fused_decode",
-                                    "bench_mtp", "bench_recurrent_forward", "bench_launcher"])
+                                    "bench_mtp", "bench_recurrent_forward", "bench_launcher",
+                                    "bench_tree_verify"])
 def test_scripts_parse_their_arguments_on_the_cpu(script):
     env = dict(os.environ, PYTHONPATH=os.path.dirname(BENCH))
     done = subprocess.run([sys.executable, os.path.join(BENCH, f"{script}.py"), "--help"], capture_output=True,

@@ -221,7 +221,8 @@ def chunk_config(N: int, HV: int, K: int, V: int, chunk: int = CHUNK_SIZE,
     its w and u: the chain streams half the bytes and its kernel holds fewer registers, and the
     call stays more accurate against float64 than fla's (docs/tuning.md, "chunk_prefill").
     The A and P products run a program per column block (``products``, the lower blocks'
-    on ``lower_block_warps``), w and u a program per slice (``factor_programs``). Few long chains (``T`` tokens over the
+    on ``lower_block_warps``), w and u a program per slice (``factor_programs``); with bf16 chain
+    products P is stored in bf16 (``qk_pairs_dtype``: the same bits, half of P's bytes). Few long chains (``T`` tokens over the
     ``N`` sequences) take their outputs after the chain (``outputs``): the serial loop then
     runs two products a chunk instead of four."""
     wide = max(K, V) > 128  # head dims up to 256: 32-token chunks and V tiles of <= 32 rows keep tiles in budget
@@ -249,7 +250,8 @@ def chunk_config(N: int, HV: int, K: int, V: int, chunk: int = CHUNK_SIZE,
                        state_warps=8 if block_v >= 64 or bf16_dots else 4,
                        pipeline_stages=2 if block_v <= 16 or bf16_dots else 1, split_prep=True, split_rest=True,
                        qk_from_input=True, factor_dtype="bfloat16" if bf16 else "float32",
-                       chain_dot_dtype="bfloat16" if bf16_dots else "float32", inverse="doubling",
+                       chain_dot_dtype="bfloat16" if bf16_dots else "float32",
+                       qk_pairs_dtype="bfloat16" if bf16_dots else "float32", inverse="doubling",
                        diagonal_programs=True, products="block_programs", factor_programs=True,
                        outputs="after_chain" if after else "in_chain")
 
