@@ -669,6 +669,51 @@ def test_products_by_slice_equal_by_block_bitwise(chunk, from_input):
         assert_close(got[1][1][s], ref_pool[s], 1e-4, f"by_slice slot {s}")
 
 
+STEEP_CASES = [  # (chunk, qk from the inputs, activations: bf16 with the picked forms and bf16 P)
+    pytest.param(64, True, torch.bfloat16, id="chunk64-qk-from-input-bf16-picked-forms"),
+    pytest.param(32, False, torch.float32, id="chunk32-workspace-qk-f32"),
+    pytest.param(16, True, torch.float32, id="chunk16-qk-from-input-f32"),
+]
+
+
+@pytest.mark.parametrize("chunk,from_input,act", STEEP_CASES)
+def test_steep_pairs_by_slice_equal_by_column_bitwise(chunk, from_input, act):
+    """``ChunkConfig.steep_pairs="by_slice"``: a steep sub-block's exact pairs with the K slices
+    outermost give the column-at-a-time bits (each column's sum built in the same order): steep
+    sub-blocks at the chunk's start, middle and end (one covering no rows below it), a steep
+    block cut by a sequence's end, GVA, K off its tile; against float64 too."""
+    H, HV, K, V = 1, 2, 40, 32 if act == torch.bfloat16 else 16  # bf16 chain products need 32-row tiles
+    x, A_log, dt_bias, cu, state, T = make_case(H, HV, K, V, [2 * chunk + 5, 1, chunk - 3], seed=31, act=act,
+                                                extra_tokens=2)
+    x["g"][0, 0:9, :, : K // 4] = 30.0  # steep sub-blocks under the default gate
+    x["g"][0, chunk - 12: chunk + 20, :, K // 2:] = 30.0
+    x["g"][0, 2 * chunk: 2 * chunk + 5, 1, :] = 30.0
+    idx = torch.tensor([4, 1, 0], dtype=torch.int32)
+    bf16 = act == torch.bfloat16
+    got = []
+    for steep in ("by_column", "by_slice"):
+        pool = state.clone()
+        out = torch.full((1, T, HV, V), POISON).to(act)
+        extra = dict(factor_dtype="bfloat16", chain_dot_dtype="bfloat16", qk_pairs_dtype="bfloat16",
+                     block_v=32, inverse="doubling", diagonal_programs=True, products="block_programs",
+                     factor_programs=True) if bf16 else dict(block_v=16, slice_k=16)
+        run_triton(x, A_log, dt_bias, cu, pool, idx, out,
+                   ChunkConfig(chunk=chunk, dot_precision="ieee", split_prep=True, split_rest=True,
+                               qk_from_input=from_input, steep_pairs=steep, **extra))
+        got.append((out, pool))
+    n = T - 2
+    poison = torch.tensor(POISON).to(act)
+    assert torch.isfinite(got[0][0][:, :n].float()).all() and (got[1][0][:, n:] == poison).all()
+    assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
+    ref_out, ref_pool, _ = ref64(x, A_log, dt_bias, cu, state, idx, chunk_size=chunk)
+    tol = 2e-2 if bf16 else 1e-4
+    assert_close(got[1][0][:, :n], ref_out[:, :n], tol, "by_slice outputs")
+    for s in (4, 1, 0):
+        assert_close(got[1][1][s], ref_pool[s], tol, f"by_slice slot {s}")
+    with pytest.raises(ValueError, match="steep_pairs must be one of"):
+        ChunkConfig(steep_pairs="by_row")
+
+
 @pytest.mark.parametrize("from_input", [False, True], ids=["workspace-qk", "qk-from-input"])
 @pytest.mark.parametrize("gate", ["softplus", "safe"])
 def test_bf16_factors_against_float64(from_input, gate):

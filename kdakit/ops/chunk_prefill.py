@@ -108,7 +108,8 @@ from .. import errors, reference
 from ..backends import register, select
 from .chunk_factors import _k_slice_factors, _v_slice_factors
 from .chunk_inverse import diagonal_inverse
-from .chunk_products import _block_spread, _column_block_products, _pair_products_by_slice, _unit_rows
+from .chunk_products import (_block_spread, _column_block_products, _pair_products_by_slice,
+                             _steep_block_pairs_by_slice, _unit_rows)
 from .launch import CachedKernel, cdiv, interpreting, next_power_of_2
 from .triton_math import count_bad_row, kda_log_decay
 
@@ -123,6 +124,7 @@ _DOT_PRECISIONS = ("tf32", "tf32x3", "ieee")
 _INVERSES = ("substitution", "doubling")
 _PRODUCTS = ("by_block", "by_slice", "block_programs")
 _OUTPUTS = ("in_chain", "after_chain")
+_STEEP_PAIRS = ("by_column", "by_slice")
 _DIAGONAL = "diagonal inverse"  # the launch list's entry for chunk_inverse.py's launch
 BF16_DOTS_MIN_BLOCK_V = 32  # bf16 chain products on 16-row V tiles wrote non-finite outputs on the H200
 
@@ -179,12 +181,15 @@ class ChunkConfig:
     lower_block_warps: int = 2       # block_programs: warps of the lower blocks' programs ([C / 2, 16] products)
     factor_programs: bool = False    # with split_rest: w, u and the chain's other factors a program per K
     #                                  and V slice (chunk_factors.py) instead of a loop over the slices
+    steep_pairs: str = "by_column"   # a steep sub-block's exact pairs: "by_column" (every K slice of the
+    #                                  block's rows loaded again for each of its 16 columns) or
+    #                                  "by_slice" (each slice loaded once for all columns; the same bits)
 
     def __post_init__(self):
         for name, allowed in (("factor_dtype", tuple(_FACTOR_DTYPES)), ("chain_dot_dtype", tuple(_FACTOR_DTYPES)),
                               ("qk_pairs_dtype", tuple(_FACTOR_DTYPES)),
                               ("dot_precision", _DOT_PRECISIONS), ("inverse", _INVERSES),
-                              ("products", _PRODUCTS), ("outputs", _OUTPUTS)):
+                              ("products", _PRODUCTS), ("outputs", _OUTPUTS), ("steep_pairs", _STEEP_PAIRS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"ChunkConfig.{name} must be one of {', '.join(map(repr, allowed))} "
                                  f"(got {getattr(self, name)!r}).")
@@ -277,7 +282,7 @@ def _chunk_prep_kernel(
     BETA_MODE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PHASES: tl.constexpr, SUB_BLOCK_PROGRAMS: tl.constexpr, QK_FROM_INPUT: tl.constexpr,
     INVERSE_BY_DOUBLING: tl.constexpr, DIAGONAL_INVERTED: tl.constexpr, PRODUCTS_BY_SLICE: tl.constexpr,
-    FACTORS_IN_PLACE: tl.constexpr, PARTS: tl.constexpr, BLOCK_LAUNCH: tl.constexpr,
+    STEEP_BY_SLICE: tl.constexpr, FACTORS_IN_PLACE: tl.constexpr, PARTS: tl.constexpr, BLOCK_LAUNCH: tl.constexpr,
 ):
     # Every phase reads what it needs back from the (L2-resident) workspace in 16-row or
     # SLICE-column pieces, so that no [C, K] tile outlives its phase: whole-chunk tiles kept
@@ -383,32 +388,37 @@ def _chunk_prep_kernel(
                 if spread > diag_spread_max:
                     rows = i * 16 + offs_s
                     beta_i = _beta_values(beta, t0 + rows, rows < n_tok, stride_b_t, stride_b_h, i_hv, BETA_MODE)
-                    for r in range(16):
-                        a_col = tl.zeros([16], dtype=tl.float32)
-                        p_col = tl.zeros([16], dtype=tl.float32)
-                        for kk in tl.static_range(0, BLOCK_K, SLICE):
-                            p_ik = rows[:, None] * BLOCK_K + kk + offs_n[None, :]
-                            if QK_FROM_INPUT:  # row i·16 + r alone, as _unit_rows would give it
-                                row_r = offs_n * 0 + i * 16 + r
-                                k_r = tl.load(k_h + (t0 + row_r) * stride_k_t + kk + offs_n,
-                                              mask=(row_r < n_tok) & ((kk + offs_n) < K), other=0.0).to(tl.float32)
-                                if USE_QK_L2NORM:
-                                    k_r = k_r * tl.load(wn + row_r * 2)
-                            else:
-                                k_r = tl.load(wk + (i * 16 + r) * BLOCK_K + kk + offs_n)
-                            G_r = tl.load(ww + (i * 16 + r) * BLOCK_K + kk + offs_n)
-                            d = tl.where((offs_s >= r)[:, None], tl.load(ww + p_ik) - G_r[None, :], float("-inf"))
-                            kr = k_r[None, :] * tl.exp(d)
-                            if QK_FROM_INPUT:
-                                a_col += tl.sum(_unit_rows(k_h, wn, 0, 1.0, t0, n_tok, rows, kk + offs_n, stride_k_t,
-                                                           K, USE_QK_L2NORM) * kr, axis=1)
-                                p_col += tl.sum(_unit_rows(q_h, wn, 1, scale, t0, n_tok, rows, kk + offs_n,
-                                                           stride_q_t, K, USE_QK_L2NORM) * kr, axis=1)
-                            else:
-                                a_col += tl.sum(tl.load(wk + p_ik) * kr, axis=1)
-                                p_col += tl.sum(tl.load(wq + p_ik) * kr, axis=1)
-                        tl.store(wa + rows * C + i * 16 + r, tl.where(offs_s > r, a_col * beta_i, 0.0))
-                        tl.store(wp + rows * C + i * 16 + r, p_col.to(wp.dtype.element_ty))
+                    if STEEP_BY_SLICE:
+                        _steep_block_pairs_by_slice(wa, wp, ww, wk, wq, wn, k_h, q_h, i, beta_i, t0, n_tok,
+                                                    stride_k_t, stride_q_t, scale, K, BLOCK_K, C, SLICE,
+                                                    USE_QK_L2NORM, QK_FROM_INPUT)
+                    else:  # a column at a time
+                        for r in range(16):
+                            a_col = tl.zeros([16], dtype=tl.float32)
+                            p_col = tl.zeros([16], dtype=tl.float32)
+                            for kk in tl.static_range(0, BLOCK_K, SLICE):
+                                p_ik = rows[:, None] * BLOCK_K + kk + offs_n[None, :]
+                                if QK_FROM_INPUT:  # row i·16 + r alone, as _unit_rows would give it
+                                    row_r = offs_n * 0 + i * 16 + r
+                                    k_r = tl.load(k_h + (t0 + row_r) * stride_k_t + kk + offs_n,
+                                                  mask=(row_r < n_tok) & ((kk + offs_n) < K), other=0.0).to(tl.float32)
+                                    if USE_QK_L2NORM:
+                                        k_r = k_r * tl.load(wn + row_r * 2)
+                                else:
+                                    k_r = tl.load(wk + (i * 16 + r) * BLOCK_K + kk + offs_n)
+                                G_r = tl.load(ww + (i * 16 + r) * BLOCK_K + kk + offs_n)
+                                d = tl.where((offs_s >= r)[:, None], tl.load(ww + p_ik) - G_r[None, :], float("-inf"))
+                                kr = k_r[None, :] * tl.exp(d)
+                                if QK_FROM_INPUT:
+                                    a_col += tl.sum(_unit_rows(k_h, wn, 0, 1.0, t0, n_tok, rows, kk + offs_n, stride_k_t,
+                                                               K, USE_QK_L2NORM) * kr, axis=1)
+                                    p_col += tl.sum(_unit_rows(q_h, wn, 1, scale, t0, n_tok, rows, kk + offs_n,
+                                                               stride_q_t, K, USE_QK_L2NORM) * kr, axis=1)
+                                else:
+                                    a_col += tl.sum(tl.load(wk + p_ik) * kr, axis=1)
+                                    p_col += tl.sum(tl.load(wq + p_ik) * kr, axis=1)
+                            tl.store(wa + rows * C + i * 16 + r, tl.where(offs_s > r, a_col * beta_i, 0.0))
+                            tl.store(wp + rows * C + i * 16 + r, p_col.to(wp.dtype.element_ty))
     b_beta = _beta_values(beta, tok, mask_c, stride_b_t, stride_b_h, i_hv, BETA_MODE)
     if PHASES & 4:
         if PRODUCTS_BY_SLICE:
@@ -891,6 +901,7 @@ def chunk_prefill_triton(q, k, v, g, beta, state, slot_indices, out, *, cu_seqle
                            BETA_MODE=int(beta_mode), DOT_PRECISION=cfg.dot_precision,
                            QK_FROM_INPUT=bool(cfg.qk_from_input), INVERSE_BY_DOUBLING=cfg.inverse == "doubling",
                            DIAGONAL_INVERTED=diagonal_programs, PRODUCTS_BY_SLICE=cfg.products == "by_slice",
+                           STEEP_BY_SLICE=cfg.steep_pairs == "by_slice",
                            FACTORS_IN_PLACE=f_w is ws_w or (not cfg.qk_from_input and (f_q is ws_q or f_k is ws_k)))
     # Launches of the prep after the first two, as (phases, programs a (chunk, head), BLOCK_LAUNCH):
     # the products a program per column block (in two launches: the lower blocks take the lower

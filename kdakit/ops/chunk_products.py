@@ -168,3 +168,38 @@ def _pair_products_by_slice(wk, wq, ww, wa, wp, wn, k_h, q_h, b_beta, t0, n_tok,
     if NB > 2:
         _store_column_block(wa, wp, a2, p2, b_beta, below2, 2, offs_c, C)
         _store_column_block(wa, wp, a3, p3, b_beta, below3, 3, offs_c, C)
+
+
+@triton.jit
+def _steep_block_pairs_by_slice(wa, wp, ww, wk, wq, wn, k_h, q_h, i, beta_i, t0, n_tok, stride_k_t, stride_q_t,
+                                scale, K: tl.constexpr, BLOCK_K: tl.constexpr, C: tl.constexpr,
+                                SLICE: tl.constexpr, NORMED: tl.constexpr, QK_FROM_INPUT: tl.constexpr):
+    """The exact pairs of steep sub-block ``i`` (its own 16 x 16 block of A and P, decays taken
+    element-wise), the K slices outermost: each slice of the block's Γ, k̂ and q̂ is loaded once
+    for its 16 columns, where a column at a time loads it 16 times. Each column's sum is built
+    slice by slice in the same order: the bits of the column-at-a-time form."""
+    offs_s = tl.arange(0, 16)
+    offs_n = tl.arange(0, SLICE)
+    rows = i * 16 + offs_s
+    a_blk = tl.zeros([16, 16], dtype=tl.float32)
+    p_blk = tl.zeros([16, 16], dtype=tl.float32)
+    for kk in tl.static_range(0, BLOCK_K, SLICE):
+        G, k_c, q_c = _rows_slice(ww, wk, wq, wn, k_h, q_h, rows, kk, t0, n_tok, stride_k_t, stride_q_t, scale, K,
+                                  BLOCK_K, SLICE, NORMED, QK_FROM_INPUT)
+        for r in range(16):
+            if QK_FROM_INPUT:  # row i·16 + r alone, as _unit_rows would give it
+                row_r = offs_n * 0 + i * 16 + r
+                k_r = tl.load(k_h + (t0 + row_r) * stride_k_t + kk + offs_n,
+                              mask=(row_r < n_tok) & ((kk + offs_n) < K), other=0.0).to(tl.float32)
+                if NORMED:
+                    k_r = k_r * tl.load(wn + row_r * 2)
+            else:
+                k_r = tl.load(wk + (i * 16 + r) * BLOCK_K + kk + offs_n)
+            G_r = tl.load(ww + (i * 16 + r) * BLOCK_K + kk + offs_n)
+            kr = k_r[None, :] * tl.exp(tl.where((offs_s >= r)[:, None], G - G_r[None, :], float("-inf")))
+            column = offs_s[None, :] == r
+            a_blk = tl.where(column, a_blk + tl.sum(k_c * kr, axis=1)[:, None], a_blk)
+            p_blk = tl.where(column, p_blk + tl.sum(q_c * kr, axis=1)[:, None], p_blk)
+    p_blk_rows = rows[:, None] * C + i * 16 + offs_s[None, :]
+    tl.store(wa + p_blk_rows, tl.where(offs_s[:, None] > offs_s[None, :], a_blk * beta_i[:, None], 0.0))
+    tl.store(wp + p_blk_rows, p_blk.to(wp.dtype.element_ty))
