@@ -201,9 +201,9 @@ for steep_pairs in ("by_column", "by_slice"):
                          A_log=A_log, dt_bias=dt_bias, lower_bound=None, beta_mode=1, has_initial_state=None,
                          chunk_states=None, chunk_state_indices=None,
                          config=ChunkConfig(block_v=32, state_warps=8, split_prep=True, split_rest=True,
-                                            qk_from_input=True, factor_dtype="bfloat16", chain_dot_dtype="bfloat16", inverse="doubling",
-                                            diagonal_programs=True, products="block_programs", factor_programs=True,
-                                            qk_pairs_dtype="bfloat16", steep_pairs=steep_pairs))
+                                            qk_from_input=True, factor_dtype="bfloat16", chain_dot_dtype="bfloat16",
+                                            inverse="doubling", diagonal_programs=True, products="block_programs",
+                                            factor_programs=True, qk_pairs_dtype="bfloat16", steep_pairs=steep_pairs))
     assert COMPILED_FOR_TARGET[-1] == "_chunk_state_kernel" and COMPILED_FOR_TARGET[-2] == "_chunk_prep_kernel", \
         COMPILED_FOR_TARGET[-4:]
 chunk_prefill_triton(*xp, state, torch.tensor([1, 2], dtype=torch.int32), torch.empty(1, Tp, HV, V, dtype=bf),
