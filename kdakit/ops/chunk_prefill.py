@@ -227,9 +227,11 @@ def chunk_config(N: int, HV: int, K: int, V: int, chunk: int = CHUNK_SIZE,
     call stays more accurate against float64 than fla's (docs/tuning.md, "chunk_prefill").
     The A and P products run a program per column block (``products``, the lower blocks'
     on ``lower_block_warps``), w and u a program per slice (``factor_programs``); with bf16 chain
-    products P is stored in bf16 (``qk_pairs_dtype``: the same bits, half of P's bytes). Few long chains (``T`` tokens over the
-    ``N`` sequences) take their outputs after the chain (``outputs``): the serial loop then
-    runs two products a chunk instead of four."""
+    products P is stored in bf16 (``qk_pairs_dtype``: the same bits, half of P's bytes), and
+    the steep sub-blocks' exact pairs load each K slice once for all 16 columns (``steep_pairs``, the
+    same bits). Few long chains (``T`` tokens over the ``N`` sequences) take their outputs
+    after the chain (``outputs``): the serial loop then runs two products a chunk instead of
+    four."""
     wide = max(K, V) > 128  # head dims up to 256: 32-token chunks and V tiles of <= 32 rows keep tiles in budget
     if wide:
         chunk = min(chunk, 32)
@@ -258,7 +260,7 @@ def chunk_config(N: int, HV: int, K: int, V: int, chunk: int = CHUNK_SIZE,
                        chain_dot_dtype="bfloat16" if bf16_dots else "float32",
                        qk_pairs_dtype="bfloat16" if bf16_dots else "float32", inverse="doubling",
                        diagonal_programs=True, products="block_programs", factor_programs=True,
-                       outputs="after_chain" if after else "in_chain")
+                       outputs="after_chain" if after else "in_chain", steep_pairs="by_slice")
 
 
 @triton.jit
