@@ -208,11 +208,12 @@ CASES.update({
     "tree_verify-ring": lambda s: _tree_case(s, "ring"),
     "commit_tree_ring": commit_tree_ring_case,
 })
-def chunk_prefill_long_case(seed):
-    """One sequence of 4100 tokens on two value heads: few long chains, so the picked config
-    takes the outputs after the chain (its own launch); a second sequence is a padding row."""
+def chunk_prefill_long_case(seed, T=4100):
+    """One sequence of ``T`` tokens on two value heads: few long chains, so the picked config
+    takes the outputs after the chain (its own launch; from 8192 tokens the chain cut into
+    pieces, three launches of their own); a second sequence is a padding row."""
     g = _gen(seed)
-    H, HVp, Kp, Vp, T = 1, 2, 16, 16, 4100
+    H, HVp, Kp, Vp = 1, 2, 16, 16
     args = (_rnd(g, 1, T, H, Kp, dtype=BF16), _rnd(g, 1, T, H, Kp, dtype=BF16), _rnd(g, 1, T, HVp, Vp, dtype=BF16),
             _rnd(g, 1, T, HVp, Kp, dtype=BF16), _rnd(g, 1, T, HVp, dtype=BF16), _rnd(g, SLOTS, HVp, Vp, Kp, s=0.5),
             _slots(seed, 2))
@@ -223,7 +224,9 @@ def chunk_prefill_long_case(seed):
 
 CASES.update({f"{name}-example": (lambda seed, op=op: op.example(seed, device=DEV)) for name, op in OPS.items()
               if not any(case == name or case.startswith(name + "-") for case in CASES)})
-CASES["chunk_prefill-long"] = chunk_prefill_long_case  # beside the example, which takes the other output path
+# beside the example, which takes the outputs in the chain: the other two chain forms
+CASES["chunk_prefill-long"] = chunk_prefill_long_case
+CASES["chunk_prefill-pieces"] = lambda seed: chunk_prefill_long_case(seed, T=8300)
 
 
 # ----------------------------------------------------------------------------

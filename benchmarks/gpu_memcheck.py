@@ -39,11 +39,13 @@ INDEX_ARGS = {
     "tree_verify-ring": [(("arg", 8), SLOTS, ("arg", 8)), (("arg", 9), 4, ("arg", 8))],
     "commit_tree_ring": [(("arg", 5), SLOTS, ("arg", 5))],
     "chunk_prefill-long": [(("arg", 6), SLOTS, ("arg", 6))],
+    "chunk_prefill-pieces": [(("arg", 6), SLOTS, ("arg", 6))],
     "chunk_prefill-example": [(("arg", 6), 5, ("arg", 6))],
 }
 OP_NAMES = {"mtp_verify-snapshot": "mtp_verify", "mtp_verify-ring": "mtp_verify",
             "tree_verify-snapshot": "tree_verify", "tree_verify-ring": "tree_verify",
-            "chunk_prefill-long": "chunk_prefill", "chunk_prefill-example": "chunk_prefill"}
+            "chunk_prefill-long": "chunk_prefill", "chunk_prefill-pieces": "chunk_prefill",
+            "chunk_prefill-example": "chunk_prefill"}
 
 
 def _get(args, kw, where):

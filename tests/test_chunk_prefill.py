@@ -775,11 +775,18 @@ def test_picked_config_follows_the_activations():
     assert all(c.products == "block_programs" and c.factor_programs and c.outputs == "in_chain"
                for c in (many, one, few_heads, f32))
     # outputs after the chain: few chain programs (<= 64), each at least 4096 tokens long
-    long_few = chunk_config(1, 8, 128, 128, act_dtype=torch.bfloat16, T=32768)
+    long_few = chunk_config(1, 8, 128, 128, act_dtype=torch.bfloat16, T=8191)
     assert (long_few.outputs, long_few.block_v) == ("after_chain", 16)
     assert chunk_config(1, 8, 128, 128, act_dtype=torch.bfloat16, T=4095).outputs == "in_chain"
     assert chunk_config(1, 32, 128, 128, act_dtype=torch.bfloat16, T=8192).outputs == "in_chain"  # 128 chains
     assert chunk_config(2, 4, 128, 128, act_dtype=torch.bfloat16, T=8192).outputs == "after_chain"
+    assert long_few.chain_pieces == 1 and chunk_config(1, 32, 128, 128, act_dtype=torch.bfloat16).chain_pieces == 1
+    # from 8192 tokens a sequence those few chains are cut into 4 pieces (outputs in the chain)
+    for N, HV, T in ((1, 8, 32768), (1, 8, 8192), (2, 4, 16384)):
+        cut = chunk_config(N, HV, 128, 128, act_dtype=torch.bfloat16, T=T)
+        assert (cut.chain_pieces, cut.outputs) == (4, "in_chain"), (N, HV, T)
+    assert chunk_config(1, 8, 128, 128, act_dtype=torch.bfloat16, T=8191).chain_pieces == 1
+    assert chunk_config(1, 32, 128, 128, act_dtype=torch.bfloat16, T=32768).chain_pieces == 1  # 128 chains
 
 
 def test_zz_print_errors():

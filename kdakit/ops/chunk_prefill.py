@@ -208,6 +208,10 @@ class ChunkConfig:
 # (sequences x value heads x V tiles) and at least OUTPUTS_AFTER_FROM_TOKENS tokens a sequence.
 OUTPUTS_AFTER_MAX_CHAINS = 64
 OUTPUTS_AFTER_FROM_TOKENS = 4096
+# From CHAIN_PIECES_FROM_TOKENS tokens a sequence, those few chains are cut into CHAIN_PIECES
+# pieces instead: the serial loop is what such a call waits on (docs/tuning.md, "chunk_prefill").
+CHAIN_PIECES_FROM_TOKENS = 8192
+CHAIN_PIECES = 4
 
 
 def chunk_config(N: int, HV: int, K: int, V: int, chunk: int = CHUNK_SIZE,
@@ -231,7 +235,7 @@ def chunk_config(N: int, HV: int, K: int, V: int, chunk: int = CHUNK_SIZE,
     the steep sub-blocks' exact pairs load each K slice once for all 16 columns (``steep_pairs``, the
     same bits). Few long chains (``T`` tokens over the ``N`` sequences) take their outputs
     after the chain (``outputs``): the serial loop then runs two products a chunk instead of
-    four."""
+    four; longer ones are cut into pieces (``chain_pieces``) that run side by side."""
     wide = max(K, V) > 128  # head dims up to 256: 32-token chunks and V tiles of <= 32 rows keep tiles in budget
     if wide:
         chunk = min(chunk, 32)
@@ -252,7 +256,9 @@ def chunk_config(N: int, HV: int, K: int, V: int, chunk: int = CHUNK_SIZE,
     # shared memory); 4 warps there, 8 for the widest.
     bf16_dots = bf16 and block_v >= BF16_DOTS_MIN_BLOCK_V
     chains = N * HV * cdiv(V, block_v)
-    after = chains <= OUTPUTS_AFTER_MAX_CHAINS and T >= OUTPUTS_AFTER_FROM_TOKENS * max(N, 1)
+    few = chains <= OUTPUTS_AFTER_MAX_CHAINS
+    pieces = CHAIN_PIECES if few and T >= CHAIN_PIECES_FROM_TOKENS * max(N, 1) else 1
+    after = few and pieces == 1 and T >= OUTPUTS_AFTER_FROM_TOKENS * max(N, 1)
     return ChunkConfig(chunk=chunk, block_v=block_v, prep_warps=4,
                        state_warps=8 if block_v >= 64 or bf16_dots else 4,
                        pipeline_stages=2 if block_v <= 16 or bf16_dots else 1, split_prep=True, split_rest=True,
@@ -260,7 +266,8 @@ def chunk_config(N: int, HV: int, K: int, V: int, chunk: int = CHUNK_SIZE,
                        chain_dot_dtype="bfloat16" if bf16_dots else "float32",
                        qk_pairs_dtype="bfloat16" if bf16_dots else "float32", inverse="doubling",
                        diagonal_programs=True, products="block_programs", factor_programs=True,
-                       outputs="after_chain" if after else "in_chain", steep_pairs="by_slice")
+                       outputs="after_chain" if after else "in_chain", steep_pairs="by_slice",
+                       chain_pieces=pieces)
 
 
 @triton.jit
