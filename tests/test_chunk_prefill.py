@@ -744,6 +744,34 @@ def test_bf16_factors_against_float64(from_input, gate):
     assert errs[2] != errs[1], "the bf16 chain products must change the results"
 
 
+@pytest.mark.parametrize("gate", ["softplus", "safe"])
+def test_chain_pieces_with_bf16_chain_products_against_float64(gate):
+    """The picked form for one long sequence with few heads: the chain in pieces on 32-row V
+    tiles with bf16 chain products (the transitions' ``[V + K]`` rows through the same bf16
+    products). Within bf16-level error of float64 and about as close as the whole chain with
+    the same products; padding and the pool's other slots untouched."""
+    H, HV, K, V = 1, 2, 32, 32
+    x, A_log, dt_bias, cu, state, T = make_case(H, HV, K, V, [100, 1, 45], seed=12, extra_tokens=2)
+    lb = -5.0 if gate == "safe" else None
+    idx = torch.tensor([4, -1, 1], dtype=torch.int32)
+    before = state.clone()
+    ref_out, ref_pool, _ = ref64(x, A_log, dt_bias, cu, state, idx, lower_bound=lb, chunk_size=16)
+    errs = []
+    for pieces in (1, 3):
+        pool = before.clone()
+        out = torch.full((1, T, HV, V), POISON)
+        cfg = ChunkConfig(chunk=16, block_v=32, dot_precision="ieee", split_prep=True, split_rest=True,
+                          qk_from_input=True, factor_dtype="bfloat16", chain_dot_dtype="bfloat16",
+                          qk_pairs_dtype="bfloat16", chain_pieces=pieces)
+        run_triton(x, A_log, dt_bias, cu, pool, idx, out, cfg, lower_bound=lb)
+        assert (out[:, 146:] == POISON).all(), "rows outside cu_seqlens must not be written"
+        assert (out[0, 100] == 0).all(), "a padding sequence's outputs are zero"
+        check_pool(pool, before, ref_pool, [4, 1], 3e-2, f"{pieces} pieces")
+        errs.append(rel_err(out[:, :146], ref_out[:, :146]))
+    ERRORS[f"bf16 chain products in 3 pieces {gate}"] = errs[1]
+    assert 1e-5 < errs[1] < 2e-2 and errs[1] < 1.5 * errs[0], errs
+
+
 def test_bf16_chain_products_refuse_16_row_tiles_and_configs_check_their_strings():
     x, A_log, dt_bias, cu, state, T = make_case(1, 2, 32, 16, [20], seed=11)
     before = state.clone()
@@ -782,9 +810,12 @@ def test_picked_config_follows_the_activations():
     assert chunk_config(2, 4, 128, 128, act_dtype=torch.bfloat16, T=8192).outputs == "after_chain"
     assert long_few.chain_pieces == 1 and chunk_config(1, 32, 128, 128, act_dtype=torch.bfloat16).chain_pieces == 1
     # from 8192 tokens a sequence those few chains are cut into 4 pieces (outputs in the chain)
+    # (on 32-row V tiles with bf16 chain products: the pieces' programs fill the GPU)
     for N, HV, T in ((1, 8, 32768), (1, 8, 8192), (2, 4, 16384)):
         cut = chunk_config(N, HV, 128, 128, act_dtype=torch.bfloat16, T=T)
-        assert (cut.chain_pieces, cut.outputs) == (4, "in_chain"), (N, HV, T)
+        assert (cut.chain_pieces, cut.outputs, cut.block_v, cut.chain_dot_dtype) == (4, "in_chain", 32, "bfloat16")
+    cut = chunk_config(1, 8, 128, 128, act_dtype=torch.float32, T=8192)
+    assert (cut.chain_pieces, cut.block_v, cut.chain_dot_dtype) == (4, 16, "float32")
     assert chunk_config(1, 8, 128, 128, act_dtype=torch.bfloat16, T=8191).chain_pieces == 1
     assert chunk_config(1, 32, 128, 128, act_dtype=torch.bfloat16, T=32768).chain_pieces == 1  # 128 chains
 

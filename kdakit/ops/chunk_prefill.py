@@ -241,23 +241,29 @@ def chunk_config(N: int, HV: int, K: int, V: int, chunk: int = CHUNK_SIZE,
         chunk = min(chunk, 32)
     bf16 = act_dtype == torch.bfloat16 and not wide
     bv_max = max(16, next_power_of_2(V))
-    block_v = 16
-    for bv in (64, 32):
-        if N * HV * cdiv(V, bv) >= 264:
-            block_v = bv
-            break
-    if bf16 and block_v == 16 and N * HV * cdiv(V, 32) >= 128:
-        block_v = 32  # bf16 products need the wider tile (below), and about one program an SM still runs
-    block_v = min(block_v, bv_max, 32 if wide else 64)
+
+    def state_tile(programs):
+        """The V tile for ``programs`` chain programs a (head, V tile): a program an SM or so."""
+        block_v = 16
+        for bv in (64, 32):
+            if programs * HV * cdiv(V, bv) >= 264:
+                block_v = bv
+                break
+        if bf16 and block_v == 16 and programs * HV * cdiv(V, 32) >= 128:
+            block_v = 32  # bf16 products need the wider tile (below), and about one program an SM still runs
+        return min(block_v, bv_max, 32 if wide else 64)
+
+    block_v = state_tile(N)
+    few = N * HV * cdiv(V, block_v) <= OUTPUTS_AFTER_MAX_CHAINS
+    pieces = CHAIN_PIECES if few and T >= CHAIN_PIECES_FROM_TOKENS * max(N, 1) else 1
+    if pieces > 1:
+        block_v = state_tile(N * pieces)  # the pieces' programs run side by side
     # bf16 chain products (bf16 activations) from 32-row V tiles on: half the registers and
     # shared memory a chunk, so two chunks in flight on 8 warps. 16-row tiles keep float32
     # products: with bf16 ones they wrote non-finite outputs on the H200 (unexplained, docs/tuning.md).
     # Otherwise two chunks in flight only for the narrowest V tile (wider float32 ones exceed the
     # shared memory); 4 warps there, 8 for the widest.
     bf16_dots = bf16 and block_v >= BF16_DOTS_MIN_BLOCK_V
-    chains = N * HV * cdiv(V, block_v)
-    few = chains <= OUTPUTS_AFTER_MAX_CHAINS
-    pieces = CHAIN_PIECES if few and T >= CHAIN_PIECES_FROM_TOKENS * max(N, 1) else 1
     after = few and pieces == 1 and T >= OUTPUTS_AFTER_FROM_TOKENS * max(N, 1)
     return ChunkConfig(chunk=chunk, block_v=block_v, prep_warps=4,
                        state_warps=8 if block_v >= 64 or bf16_dots else 4,
