@@ -64,7 +64,8 @@ The kernels:
    and ``M``; ``_chunk_pieces_kernel`` walks the pieces in order from the pool slot (one
    ``[V, K] x [K, K]`` product each) for their start states; then the same kernel runs every
    piece's outputs from its start, the last piece writing the final state. About twice the
-   chain's products, in P times as many programs: one long sequence with few heads.
+   chain's products, in P times as many programs: one long sequence with few heads (picked
+   there, ``chunk_config``: 4 pieces, the V tile chosen for the pieces' programs).
 3. With ``ChunkConfig.outputs="after_chain"`` (picked for few long chains) the chain stores
    each chunk's start state and ``U`` instead of its outputs, and ``_chunk_output_kernel``,
    one program per (V tile, value head, chunk), computes them token-parallel: the serial
