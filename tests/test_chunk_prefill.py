@@ -797,6 +797,11 @@ def test_picked_config_follows_the_activations():
     assert (many.block_v, many.factor_dtype, many.chain_dot_dtype) == (64, "bfloat16", "bfloat16")
     assert (one.block_v, one.chain_dot_dtype, one.pipeline_stages) == (32, "bfloat16", 2)
     assert (few_heads.block_v, few_heads.factor_dtype, few_heads.chain_dot_dtype) == (16, "bfloat16", "float32")
+    # about one 64-row program an SM (8 sequences at H = 8): the 64-row tile; 32 sequences at
+    # H = 1 are 64 such programs and keep the 32-row tile
+    assert chunk_config(8, 8, 128, 128, act_dtype=torch.bfloat16).block_v == 64
+    assert chunk_config(32, 1, 128, 128, act_dtype=torch.bfloat16).block_v == 32
+    assert chunk_config(8, 8, 128, 128, act_dtype=torch.float32).block_v == 16  # float32 products
     assert (f32.factor_dtype, f32.chain_dot_dtype) == ("float32", "float32")
     assert all(c.qk_from_input and c.split_prep and c.split_rest for c in (many, one, few_heads, f32))
     assert all(c.inverse == "doubling" and c.diagonal_programs for c in (many, one, few_heads, f32))

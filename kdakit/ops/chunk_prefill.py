@@ -250,7 +250,9 @@ def chunk_config(N: int, HV: int, K: int, V: int, chunk: int = CHUNK_SIZE,
             if programs * HV * cdiv(V, bv) >= 264:
                 block_v = bv
                 break
-        if bf16 and block_v == 16 and programs * HV * cdiv(V, 32) >= 128:
+        if bf16 and block_v < 64 and programs * HV * cdiv(V, 64) >= 128:
+            block_v = 64  # bf16 products: one 64-row program an SM beat two 32-row ones (8 x 2k at H = 8)
+        elif bf16 and block_v == 16 and programs * HV * cdiv(V, 32) >= 128:
             block_v = 32  # bf16 products need the wider tile (below), and about one program an SM still runs
         return min(block_v, bv_max, 32 if wide else 64)
 
