@@ -110,7 +110,7 @@ from ..backends import register, select
 from .chunk_factors import _k_slice_factors, _v_slice_factors
 from .chunk_inverse import diagonal_inverse
 from .chunk_products import (_block_spread, _column_block_products, _pair_products_by_slice,
-                             _steep_block_pairs_by_slice, _unit_rows)
+                             _steep_block_pairs_by_slice, _steep_column, _unit_rows)
 from .launch import CachedKernel, cdiv, interpreting, next_power_of_2
 from .triton_math import count_bad_row, kda_log_decay
 
@@ -416,15 +416,8 @@ def _chunk_prep_kernel(
                             p_col = tl.zeros([16], dtype=tl.float32)
                             for kk in tl.static_range(0, BLOCK_K, SLICE):
                                 p_ik = rows[:, None] * BLOCK_K + kk + offs_n[None, :]
-                                if QK_FROM_INPUT:  # row i·16 + r alone, as _unit_rows would give it
-                                    row_r = offs_n * 0 + i * 16 + r
-                                    k_r = tl.load(k_h + (t0 + row_r) * stride_k_t + kk + offs_n,
-                                                  mask=(row_r < n_tok) & ((kk + offs_n) < K), other=0.0).to(tl.float32)
-                                    if USE_QK_L2NORM:
-                                        k_r = k_r * tl.load(wn + row_r * 2)
-                                else:
-                                    k_r = tl.load(wk + (i * 16 + r) * BLOCK_K + kk + offs_n)
-                                G_r = tl.load(ww + (i * 16 + r) * BLOCK_K + kk + offs_n)
+                                k_r, G_r = _steep_column(ww, wk, wn, k_h, i * 16 + r, kk, offs_n, t0, n_tok,
+                                                         stride_k_t, K, BLOCK_K, USE_QK_L2NORM, QK_FROM_INPUT)
                                 d = tl.where((offs_s >= r)[:, None], tl.load(ww + p_ik) - G_r[None, :], float("-inf"))
                                 kr = k_r[None, :] * tl.exp(d)
                                 if QK_FROM_INPUT:

@@ -171,6 +171,22 @@ def _pair_products_by_slice(wk, wq, ww, wa, wp, wn, k_h, q_h, b_beta, t0, n_tok,
 
 
 @triton.jit
+def _steep_column(ww, wk, wn, k_h, row, kk, offs_n, t0, n_tok, stride_k_t, K: tl.constexpr, BLOCK_K: tl.constexpr,
+                  NORMED: tl.constexpr, QK_FROM_INPUT: tl.constexpr):
+    """K slice ``kk`` of k̂ and Γ at chunk row ``row``: a steep sub-block's column (k̂ from the
+    input scaled by the kept reciprocal norm, as _unit_rows gives that row, or from the workspace)."""
+    if QK_FROM_INPUT:
+        row_r = offs_n * 0 + row
+        k_r = tl.load(k_h + (t0 + row_r) * stride_k_t + kk + offs_n,
+                      mask=(row_r < n_tok) & ((kk + offs_n) < K), other=0.0).to(tl.float32)
+        if NORMED:
+            k_r = k_r * tl.load(wn + row_r * 2)
+    else:
+        k_r = tl.load(wk + row * BLOCK_K + kk + offs_n)
+    return k_r, tl.load(ww + row * BLOCK_K + kk + offs_n)
+
+
+@triton.jit
 def _steep_block_pairs_by_slice(wa, wp, ww, wk, wq, wn, k_h, q_h, i, beta_i, t0, n_tok, stride_k_t, stride_q_t,
                                 scale, K: tl.constexpr, BLOCK_K: tl.constexpr, C: tl.constexpr,
                                 SLICE: tl.constexpr, NORMED: tl.constexpr, QK_FROM_INPUT: tl.constexpr):
@@ -187,15 +203,8 @@ def _steep_block_pairs_by_slice(wa, wp, ww, wk, wq, wn, k_h, q_h, i, beta_i, t0,
         G, k_c, q_c = _rows_slice(ww, wk, wq, wn, k_h, q_h, rows, kk, t0, n_tok, stride_k_t, stride_q_t, scale, K,
                                   BLOCK_K, SLICE, NORMED, QK_FROM_INPUT)
         for r in range(16):
-            if QK_FROM_INPUT:  # row i·16 + r alone, as _unit_rows would give it
-                row_r = offs_n * 0 + i * 16 + r
-                k_r = tl.load(k_h + (t0 + row_r) * stride_k_t + kk + offs_n,
-                              mask=(row_r < n_tok) & ((kk + offs_n) < K), other=0.0).to(tl.float32)
-                if NORMED:
-                    k_r = k_r * tl.load(wn + row_r * 2)
-            else:
-                k_r = tl.load(wk + (i * 16 + r) * BLOCK_K + kk + offs_n)
-            G_r = tl.load(ww + (i * 16 + r) * BLOCK_K + kk + offs_n)
+            k_r, G_r = _steep_column(ww, wk, wn, k_h, i * 16 + r, kk, offs_n, t0, n_tok, stride_k_t, K, BLOCK_K,
+                                     NORMED, QK_FROM_INPUT)
             kr = k_r[None, :] * tl.exp(tl.where((offs_s >= r)[:, None], G - G_r[None, :], float("-inf")))
             column = offs_s[None, :] == r
             a_blk = tl.where(column, a_blk + tl.sum(k_c * kr, axis=1)[:, None], a_blk)
