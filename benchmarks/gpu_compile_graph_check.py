@@ -23,6 +23,7 @@ import traceback
 import torch
 
 import kdakit
+from kdakit.ops.chunk_prefill import chunk_config
 from kdakit.ops.registry import OPS
 
 H = HV = 32
@@ -208,12 +209,15 @@ CASES.update({
     "tree_verify-ring": lambda s: _tree_case(s, "ring"),
     "commit_tree_ring": commit_tree_ring_case,
 })
-def chunk_prefill_long_case(seed, T=4100):
-    """One sequence of ``T`` tokens on two value heads: few long chains, so the picked config
-    takes the outputs after the chain (its own launch; from 8192 tokens the chain cut into
-    pieces, three launches of their own); a second sequence is a padding row."""
+def chunk_prefill_long_case(seed, T=8200, pieces=False):
+    """One sequence of ``T`` tokens on two value heads and a padding sequence (N = 2): few long
+    chains, so the picked config takes the outputs after the chain (its own launch; from 4096
+    tokens a sequence, padding ones counted), or with ``pieces`` (from 8192 tokens a sequence)
+    the chain cut into pieces (three launches of their own)."""
     g = _gen(seed)
     H, HVp, Kp, Vp = 1, 2, 16, 16
+    picked = chunk_config(2, HVp, Kp, Vp, act_dtype=BF16, T=T)
+    assert (picked.chain_pieces > 1, picked.outputs) == (pieces, "in_chain" if pieces else "after_chain"), picked
     args = (_rnd(g, 1, T, H, Kp, dtype=BF16), _rnd(g, 1, T, H, Kp, dtype=BF16), _rnd(g, 1, T, HVp, Vp, dtype=BF16),
             _rnd(g, 1, T, HVp, Kp, dtype=BF16), _rnd(g, 1, T, HVp, dtype=BF16), _rnd(g, SLOTS, HVp, Vp, Kp, s=0.5),
             _slots(seed, 2))
@@ -226,7 +230,7 @@ CASES.update({f"{name}-example": (lambda seed, op=op: op.example(seed, device=DE
               if not any(case == name or case.startswith(name + "-") for case in CASES)})
 # beside the example, which takes the outputs in the chain: the other two chain forms
 CASES["chunk_prefill-long"] = chunk_prefill_long_case
-CASES["chunk_prefill-pieces"] = lambda seed: chunk_prefill_long_case(seed, T=8300)
+CASES["chunk_prefill-pieces"] = lambda seed: chunk_prefill_long_case(seed, T=16400, pieces=True)
 
 
 # ----------------------------------------------------------------------------

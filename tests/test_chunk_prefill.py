@@ -757,19 +757,20 @@ def test_chain_pieces_with_bf16_chain_products_against_float64(gate):
     before = state.clone()
     ref_out, ref_pool, _ = ref64(x, A_log, dt_bias, cu, state, idx, lower_bound=lb, chunk_size=16)
     errs = []
-    for pieces in (1, 3):
+    for pieces, dots in ((1, "bfloat16"), (3, "bfloat16"), (3, "float32")):
         pool = before.clone()
         out = torch.full((1, T, HV, V), POISON)
         cfg = ChunkConfig(chunk=16, block_v=32, dot_precision="ieee", split_prep=True, split_rest=True,
-                          qk_from_input=True, factor_dtype="bfloat16", chain_dot_dtype="bfloat16",
-                          qk_pairs_dtype="bfloat16", chain_pieces=pieces)
+                          qk_from_input=True, factor_dtype="bfloat16", chain_dot_dtype=dots,
+                          qk_pairs_dtype=dots, chain_pieces=pieces)
         run_triton(x, A_log, dt_bias, cu, pool, idx, out, cfg, lower_bound=lb)
         assert (out[:, 146:] == POISON).all(), "rows outside cu_seqlens must not be written"
         assert (out[0, 100] == 0).all(), "a padding sequence's outputs are zero"
-        check_pool(pool, before, ref_pool, [4, 1], 3e-2, f"{pieces} pieces")
+        check_pool(pool, before, ref_pool, [4, 1], 3e-2, f"{pieces} pieces, {dots} products")
         errs.append(rel_err(out[:, :146], ref_out[:, :146]))
     ERRORS[f"bf16 chain products in 3 pieces {gate}"] = errs[1]
     assert 1e-5 < errs[1] < 2e-2 and errs[1] < 1.5 * errs[0], errs
+    assert errs[1] != errs[2], "the pieces must take the bf16 chain products"
 
 
 def test_bf16_chain_products_refuse_16_row_tiles_and_configs_check_their_strings():
@@ -822,7 +823,14 @@ def test_picked_config_follows_the_activations():
     cut = chunk_config(1, 8, 128, 128, act_dtype=torch.float32, T=8192)
     assert (cut.chain_pieces, cut.block_v, cut.chain_dot_dtype) == (4, 16, "float32")
     assert chunk_config(1, 8, 128, 128, act_dtype=torch.bfloat16, T=8191).chain_pieces == 1
+    # the GPU checks' long cases (benchmarks/gpu_compile_graph_check.py: one sequence and a padding one)
+    assert chunk_config(2, 2, 16, 16, act_dtype=torch.bfloat16, T=8200).outputs == "after_chain"
+    assert chunk_config(2, 2, 16, 16, act_dtype=torch.bfloat16, T=16400).chain_pieces == 4
     assert chunk_config(1, 32, 128, 128, act_dtype=torch.bfloat16, T=32768).chain_pieces == 1  # 128 chains
+    # head dims above 128: no pieces (the start-state walk's [K, K] map would not fit)
+    for K, V in ((256, 128), (128, 256), (256, 256)):
+        assert chunk_config(1, 8, K, V, act_dtype=torch.bfloat16, T=32768).chain_pieces == 1, (K, V)
+    assert chunk_config(1, 8, 256, 128, act_dtype=torch.bfloat16, T=32768).outputs == "after_chain"  # 64 chains
 
 
 def test_zz_print_errors():

@@ -66,7 +66,7 @@ The kernels:
    piece's outputs from its start, the last piece writing the final state. About twice the
    chain's products, in P times as many programs: one long sequence with few heads (picked
    there, ``chunk_config``: 4 pieces, the V tile chosen for the pieces' programs).
-3. With ``ChunkConfig.outputs="after_chain"`` (picked for few long chains) the chain stores
+3. With ``ChunkConfig.outputs="after_chain"`` (picked for few chains of 4096 to 8191 tokens) the chain stores
    each chunk's start state and ``U`` instead of its outputs, and ``_chunk_output_kernel``,
    one program per (V tile, value head, chunk), computes them token-parallel: the serial
    loop runs two of its four products. The same products on the same operands: the same bits.
@@ -219,8 +219,9 @@ def chunk_config(N: int, HV: int, K: int, V: int, chunk: int = CHUNK_SIZE,
                  act_dtype: torch.dtype = torch.float32, T: int = 0) -> ChunkConfig:
     """Pinned from shapes (no autotuning in a serving call). The state kernel's V tile: the
     widest of 64 / 32 / 16 rows that still gives about two programs per SM of an H200
-    (132 SMs) in the serial chain (a long sequence with few heads needs narrow tiles to
-    fill the GPU; many sequences reread the chunk's factors fewer times with wide ones).
+    (132 SMs) in the serial chain, or with bf16 chain products about one 64-row program per SM
+    (a long sequence with few heads needs narrow tiles to fill the GPU; many sequences reread
+    the chunk's factors fewer times with wide ones).
     Head dims above 128 take 32-token chunks and V tiles of at most 32 rows.
     The later prep phases read q and k from the inputs (``qk_from_input``), the prep runs as
     six launches (five at 16-token chunks; ``split_prep``, ``split_rest``, the products as two)
@@ -258,7 +259,8 @@ def chunk_config(N: int, HV: int, K: int, V: int, chunk: int = CHUNK_SIZE,
 
     block_v = state_tile(N)
     few = N * HV * cdiv(V, block_v) <= OUTPUTS_AFTER_MAX_CHAINS
-    pieces = CHAIN_PIECES if few and T >= CHAIN_PIECES_FROM_TOKENS * max(N, 1) else 1
+    # (not for head dims above 128: the start-state walk holds a whole [K, K] map, past shared memory)
+    pieces = CHAIN_PIECES if few and not wide and T >= CHAIN_PIECES_FROM_TOKENS * max(N, 1) else 1
     if pieces > 1:
         block_v = state_tile(N * pieces)  # the pieces' programs run side by side
     # bf16 chain products (bf16 activations) from 32-row V tiles on: half the registers and
