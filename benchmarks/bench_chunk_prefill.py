@@ -123,19 +123,35 @@ def timed(calls):
 
 
 # ----------------------------------------------------------------------------
-def correctness(results, quick=False, configs=None):
+# (name, seqlens, H, HV, act dtype, state dtype, lower_bound, steep, with float64 reference). Each row
+# records the picked form (``picked``): the last four reach the chain forms picked for one long
+# sequence with few heads (outputs after the chain; pieces) and 64- / 32-row tiles with bf16 products.
+CHECK_CASES = [
+    ("2k-f32in", [2048], 8, 8, torch.float32, torch.float32, None, False, True),
+    ("mixed-f32in-safe", [1, 63, 64, 65, 700, 130], 8, 16, torch.float32, torch.float32, -5.0, False, True),
+    ("2k-bf16", [2048], 32, 32, torch.bfloat16, torch.float32, None, False, True),
+    ("mixed-bf16-safe", [1, 37, 100, 513, 64, 1000], 32, 32, torch.bfloat16, torch.float32, -5.0, False, True),
+    ("steep-f32in-2k", [2048, 300], 4, 4, torch.float32, torch.float32, None, True, True),
+    ("bf16-pool", [700, 33], 8, 8, torch.bfloat16, torch.bfloat16, None, False, True),
+    ("8k-bf16", [8192], 32, 32, torch.bfloat16, torch.float32, None, False, False),
+    ("4k-H8-after-chain", [4100], 8, 8, torch.bfloat16, torch.float32, None, False, True),
+    ("8k-H8-pieces-safe", [8192], 8, 8, torch.bfloat16, torch.float32, -5.0, False, True),
+    ("4x-bf16-64-rows", [300, 1, 700, 200], 32, 32, torch.bfloat16, torch.float32, None, False, True),
+    ("2k-bf16-safe", [2048], 32, 32, torch.bfloat16, torch.float32, -5.0, False, True),
+]
+
+
+def picked_form(cfg) -> str:
+    return (f"{cfg.block_v}-row tiles, {cfg.chain_dot_dtype} chain products, outputs {cfg.outputs}, "
+            f"{cfg.chain_pieces} piece(s)")
+
+
+def correctness(results, quick=False, configs=None, only=None):
     """``configs`` (the --configs text): ChunkConfig variants also run on every case with a float64 reference, their
-    errors recorded beside the picked config's (``kdakit[variant]_out_err``; not part of ``ok``)."""
+    errors recorded beside the picked config's (``kdakit[variant]_out_err``; not part of ``ok``). ``only``: the
+    names of the check cases to run (default: all)."""
     checks = results["checks"]
-    cases = [  # (name, seqlens, H, HV, act dtype, state dtype, lower_bound, steep, with float64 reference)
-        ("2k-f32in", [2048], 8, 8, torch.float32, torch.float32, None, False, True),
-        ("mixed-f32in-safe", [1, 63, 64, 65, 700, 130], 8, 16, torch.float32, torch.float32, -5.0, False, True),
-        ("2k-bf16", [2048], 32, 32, torch.bfloat16, torch.float32, None, False, True),
-        ("mixed-bf16-safe", [1, 37, 100, 513, 64, 1000], 32, 32, torch.bfloat16, torch.float32, -5.0, False, True),
-        ("steep-f32in-2k", [2048, 300], 4, 4, torch.float32, torch.float32, None, True, True),
-        ("bf16-pool", [700, 33], 8, 8, torch.bfloat16, torch.bfloat16, None, False, True),
-        ("8k-bf16", [8192], 32, 32, torch.bfloat16, torch.float32, None, False, False),
-    ]
+    cases = [c for c in CHECK_CASES if only is None or c[0] in only]
     if quick:  # the heads of the timed cases only (fla tunes itself again for other head counts)
         cases = [c for c in cases if c[0] in ("2k-bf16", "mixed-bf16-safe")]
     for name, lens, H, HV, ad, sd, lb, steep, with_ref in cases:
@@ -144,7 +160,7 @@ def correctness(results, quick=False, configs=None):
             layer["idx"][1] = -1                      # a padding row
             layer["idx"][2] = layer["state"].shape[0] + 5  # out of range: padding too
         before = layer["state"].clone()
-        row = {"case": name}
+        row = {"case": name, "picked": picked_form(chunk_config(len(lens), HV, 128, 128, act_dtype=ad, T=sum(lens)))}
         if with_ref:
             ref_out, ref_pool = ref_forward(layer, lb)
         for _ in range(2):  # the second call runs the cached launch path
@@ -263,6 +279,8 @@ def main():
     parser.add_argument("--cases", help="comma-separated case names: " + ",".join(CASES))
     parser.add_argument("--name", default="chunk_prefill_h200")
     parser.add_argument("--skip-checks", action="store_true")
+    parser.add_argument("--check-cases", help="comma-separated check case names (default: all): "
+                        + ",".join(c[0] for c in CHECK_CASES))
     parser.add_argument("--configs", help="ChunkConfig variants to time besides the picked one, as "
                         "'field=value,...;field=value' (fields not named keep the picked config's)")
     args = parser.parse_args()
@@ -272,7 +290,13 @@ def main():
     names = parse_cases(args.cases, args.quick)  # an unknown case name stops the run before the checks
     t0 = time.time()
     results = harness.new_results()
-    ok = True if args.skip_checks else correctness(results, quick=args.quick, configs=args.configs)
+    only = None
+    if args.check_cases:
+        only = [c.strip() for c in args.check_cases.split(",") if c.strip()]
+        unknown = [c for c in only if c not in {case[0] for case in CHECK_CASES}]
+        if unknown:
+            raise ValueError(f"unknown check case(s) {unknown}")
+    ok = True if args.skip_checks else correctness(results, quick=args.quick, configs=args.configs, only=only)
     results["checks_ok"] = ok
     timings(results, names, args.sweep, args.configs)
     harness.close_results(results)

@@ -3,7 +3,7 @@
     python benchmarks/gpu_compile_graph_check.py [--ops packed_decode,mtp_verify-ring ...]
 
 For each op at small real sizes (H = HV = 32, K = V = 128, bfloat16 activations,
-float32 pools, a padding row in every batch), three checks against eager (Triton
+float32 pools, a padding row in every batch; the long prefill cases at HV = 4), three checks against eager (Triton
 backend), all bitwise on every tensor of the call (outputs, pools written in place,
 read-only inputs):
   inductor     torch.compile(fn, fullgraph=True) (inductor) == eager
@@ -24,6 +24,7 @@ import torch
 
 import kdakit
 from kdakit.ops.chunk_prefill import chunk_config
+from kdakit.ops.mtp_verify import ring_form
 from kdakit.ops.registry import OPS
 
 H = HV = 32
@@ -106,9 +107,9 @@ def gated_rmsnorm_case(seed):
 N_SPEC, T_VERIFY = 4, 3  # 4 requests, 1 + 2 speculative tokens each
 
 
-def _verify_case(seed, mode):
+def _verify_case(seed, mode, T=T_VERIFY):
     g = _gen(seed)
-    N, T = N_SPEC, T_VERIFY
+    N = N_SPEC
     channels = (H * K, H * K, HV * V)
     args = (_rnd(g, N, T, H, K, dtype=BF16), _rnd(g, N, T, H, K, dtype=BF16), _rnd(g, N, T, HV, V, dtype=BF16),
             _rnd(g, N, T, HV, K, dtype=BF16), _rnd(g, N, T, HV, dtype=BF16), torch.rand(HV, device=DEV, generator=g),
@@ -165,7 +166,7 @@ CASES = {
     "causal_conv1d_varlen": conv1d_varlen_case,
     "gated_rmsnorm": gated_rmsnorm_case,
     "mtp_verify-snapshot": lambda s: _verify_case(s, "snapshot"),
-    "mtp_verify-ring": lambda s: _verify_case(s, "ring"),
+    "mtp_verify-ring": lambda s: _verify_case(s, "ring"),  # N·HV·T = 384: the recurrence
     "commit_snapshots": commit_snapshots_case,
     "commit_ring": commit_ring_case,
     "recurrent_forward": recurrent_forward_case,
@@ -175,14 +176,14 @@ CASES = {
 T_TREE = 5  # a 5-node tree per request: node 0, two children, a grandchild under each
 
 
-def _tree_case(seed, mode):
+def _tree_case(seed, mode, parents=(-1, 0, 0, 1, 2)):
     op, args, kw = _verify_case(seed, "snapshot" if mode == "snapshot" else "ring")
     g = _gen(seed + 1000)
-    N, T = N_SPEC, T_TREE
+    N, T = N_SPEC, len(parents)
     channels = (H * K, H * K, HV * V)
     args = (_rnd(g, N, T, H, K, dtype=BF16), _rnd(g, N, T, H, K, dtype=BF16), _rnd(g, N, T, HV, V, dtype=BF16),
             _rnd(g, N, T, HV, K, dtype=BF16), _rnd(g, N, T, HV, dtype=BF16), *args[5:10],
-            torch.tensor([[-1, 0, 0, 1, 2]] * N, dtype=torch.int32, device=DEV))
+            torch.tensor([list(parents)] * N, dtype=torch.int32, device=DEV))
     kw.update(intermediate_conv=tuple(_rnd(g, N, T, c, W - 1, dtype=BF16) for c in channels),
               out=torch.empty(N, T, HV, V, dtype=BF16, device=DEV))
     if mode == "snapshot":
@@ -204,33 +205,56 @@ def commit_tree_ring_case(seed):
     return kdakit.commit_tree_ring, args, {}
 
 
+def _ring_chunk_form(case):
+    """``case`` at ring-mode sizes past ``ring_form``'s threshold: the chunk form (ring_verify.py)."""
+    def build(seed):
+        op, args, kw = case(seed)
+        N, T = args[0].shape[:2]
+        assert ring_form(N, HV, T) == "chunked", (N, HV, T)
+        return op, args, kw
+    return build
+
+
+# 9 steps or nodes: N·HV·T = 1152, past RING_CHUNK_FORM_ABOVE (the 3- and 5-step cases run the recurrence)
+T_RING_CHUNK = 9
 CASES.update({
     "tree_verify-snapshot": lambda s: _tree_case(s, "snapshot"),
     "tree_verify-ring": lambda s: _tree_case(s, "ring"),
     "commit_tree_ring": commit_tree_ring_case,
+    "mtp_verify-ring-chunk": _ring_chunk_form(lambda s: _verify_case(s, "ring", T=T_RING_CHUNK)),
+    "tree_verify-ring-chunk": _ring_chunk_form(lambda s: _tree_case(s, "ring", parents=(-1, 0, 0, 1, 2, 3, 4, 5, 6))),
 })
-def chunk_prefill_long_case(seed, T=8200, pieces=False):
-    """One sequence of ``T`` tokens on two value heads and a padding sequence (N = 2): few long
-    chains, so the picked config takes the outputs after the chain (its own launch; from 4096
-    tokens a sequence, padding ones counted), or with ``pieces`` (from 8192 tokens a sequence)
-    the chain cut into pieces (three launches of their own)."""
+def chunk_prefill_case(seed, lengths, H_, HV_, form):
+    """Sequences of ``lengths`` tokens (the second a padding sequence, slot -1) at K = V = 128,
+    bf16 activations, shaped so that the picked config takes ``form`` (asserted): the chain's
+    forms are picked from the shapes, padding sequences counted."""
     g = _gen(seed)
-    H, HVp, Kp, Vp = 1, 2, 16, 16
-    picked = chunk_config(2, HVp, Kp, Vp, act_dtype=BF16, T=T)
-    assert (picked.chain_pieces > 1, picked.outputs) == (pieces, "in_chain" if pieces else "after_chain"), picked
-    args = (_rnd(g, 1, T, H, Kp, dtype=BF16), _rnd(g, 1, T, H, Kp, dtype=BF16), _rnd(g, 1, T, HVp, Vp, dtype=BF16),
-            _rnd(g, 1, T, HVp, Kp, dtype=BF16), _rnd(g, 1, T, HVp, dtype=BF16), _rnd(g, SLOTS, HVp, Vp, Kp, s=0.5),
-            _slots(seed, 2))
-    kw = dict(cu_seqlens=_idx(0, T, T), A_log=torch.rand(HVp, device=DEV, generator=g), dt_bias=_rnd(g, HVp * Kp, s=0.5),
-              beta_is_logit=True, out=torch.zeros(1, T, HVp, Vp, dtype=BF16, device=DEV))
+    T, N = sum(lengths), len(lengths)
+    picked = chunk_config(N, HV_, K, V, act_dtype=BF16, T=T)
+    got = dict(pieces_bf16=picked.chain_pieces > 1 and picked.chain_dot_dtype == "bfloat16",
+               after_chain=picked.outputs == "after_chain" and picked.block_v == 16,
+               tiles_64_bf16=picked.block_v == 64 and picked.chain_dot_dtype == "bfloat16")
+    assert got[form], (form, picked)
+    args = (_rnd(g, 1, T, H_, K, dtype=BF16), _rnd(g, 1, T, H_, K, dtype=BF16), _rnd(g, 1, T, HV_, V, dtype=BF16),
+            _rnd(g, 1, T, HV_, K, dtype=BF16), _rnd(g, 1, T, HV_, dtype=BF16), _rnd(g, SLOTS, HV_, V, K, s=0.5),
+            _slots(seed, N))
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    kw = dict(cu_seqlens=_idx(*cu), A_log=torch.rand(HV_, device=DEV, generator=g), dt_bias=_rnd(g, HV_ * K, s=0.5),
+              beta_is_logit=True, out=torch.zeros(1, T, HV_, V, dtype=BF16, device=DEV))
     return kdakit.chunk_prefill, args, kw
 
 
 CASES.update({f"{name}-example": (lambda seed, op=op: op.example(seed, device=DEV)) for name, op in OPS.items()
               if not any(case == name or case.startswith(name + "-") for case in CASES)})
-# beside the example, which takes the outputs in the chain: the other two chain forms
-CASES["chunk_prefill-long"] = chunk_prefill_long_case
-CASES["chunk_prefill-pieces"] = lambda seed: chunk_prefill_long_case(seed, T=16400, pieces=True)
+# beside the example (float32 activations, K = V = 16): the forms picked at real head dims, each
+# with a padding sequence. One long sequence at HV = 4 (64 chain programs): the outputs after
+# the chain on 16-row tiles from 4096 tokens a sequence, the chain in pieces on 32-row bf16 tiles
+# from 8192; three sequences at HV = 32: 64-row tiles with bf16 chain products.
+CASES["chunk_prefill-long"] = lambda seed: chunk_prefill_case(seed, [8200, 0], 2, 4, "after_chain")
+CASES["chunk_prefill-pieces"] = lambda seed: chunk_prefill_case(seed, [16400, 0], 2, 4, "pieces_bf16")
+CASES["chunk_prefill-tiles"] = lambda seed: chunk_prefill_case(seed, [300, 0, 700], H, HV, "tiles_64_bf16")
 
 
 # ----------------------------------------------------------------------------

@@ -40,11 +40,16 @@ INDEX_ARGS = {
     "commit_tree_ring": [(("arg", 5), SLOTS, ("arg", 5))],
     "chunk_prefill-long": [(("arg", 6), SLOTS, ("arg", 6))],
     "chunk_prefill-pieces": [(("arg", 6), SLOTS, ("arg", 6))],
+    "chunk_prefill-tiles": [(("arg", 6), SLOTS, ("arg", 6))],
+    "mtp_verify-ring-chunk": [(("arg", 8), SLOTS, ("arg", 8)), (("arg", 9), 4, ("arg", 8))],
+    "tree_verify-ring-chunk": [(("arg", 8), SLOTS, ("arg", 8)), (("arg", 9), 4, ("arg", 8))],
     "chunk_prefill-example": [(("arg", 6), 5, ("arg", 6))],
 }
 OP_NAMES = {"mtp_verify-snapshot": "mtp_verify", "mtp_verify-ring": "mtp_verify",
             "tree_verify-snapshot": "tree_verify", "tree_verify-ring": "tree_verify",
             "chunk_prefill-long": "chunk_prefill", "chunk_prefill-pieces": "chunk_prefill",
+            "chunk_prefill-tiles": "chunk_prefill", "mtp_verify-ring-chunk": "mtp_verify",
+            "tree_verify-ring-chunk": "tree_verify",
             "chunk_prefill-example": "chunk_prefill"}
 
 

@@ -181,3 +181,30 @@ def test_prefill_crossover_is_the_length_from_which_chunked_always_wins():
     assert bench.crossover(rows, 1) == 96  # 32 is faster but 64 is not: not yet the crossover
     assert bench.crossover(rows, 8) is None
     assert bench.crossover(rows, 64) is None
+
+
+def test_gpu_check_cases_reach_the_picked_chain_forms():
+    """The GPU float64 checks of the chunked prefill reach the forms they are named for: the
+    picked config at each check case's shapes (the padding rows count as sequences)."""
+    import bench_chunk_prefill
+    from kdakit.ops.chunk_prefill import chunk_config
+    forms = {name: bench_chunk_prefill.picked_form(chunk_config(len(lens), HV, 128, 128, act_dtype=act, T=sum(lens)))
+             for name, lens, H, HV, act, *_ in bench_chunk_prefill.CHECK_CASES}
+    assert forms["4k-H8-after-chain"] == "16-row tiles, float32 chain products, outputs after_chain, 1 piece(s)"
+    assert forms["8k-H8-pieces-safe"] == "32-row tiles, bfloat16 chain products, outputs in_chain, 4 piece(s)"
+    assert forms["4x-bf16-64-rows"].startswith("64-row tiles, bfloat16 chain products")
+    assert forms["2k-bf16-safe"].startswith("32-row tiles, bfloat16 chain products")
+    assert forms["2k-bf16"].startswith("32-row tiles, bfloat16")
+
+
+@pytest.mark.parametrize("name", ["chunk_prefill-long", "chunk_prefill-pieces", "chunk_prefill-tiles",
+                                  "mtp_verify-ring-chunk", "tree_verify-ring-chunk"])
+def test_gpu_graph_and_memcheck_cases_take_their_forms(name, monkeypatch):
+    """benchmarks/gpu_compile_graph_check.py's cases for the forms picked only past a threshold
+    build (on the CPU here) with the shapes that reach them: each asserts its form while it builds;
+    gpu_memcheck.py pushes their indices."""
+    import gpu_compile_graph_check
+    import gpu_memcheck
+    monkeypatch.setattr(gpu_compile_graph_check, "DEV", "cpu")
+    op, args, kw = gpu_compile_graph_check.CASES[name](1)
+    assert callable(op) and name in gpu_memcheck.INDEX_ARGS and name in gpu_memcheck.OP_NAMES
