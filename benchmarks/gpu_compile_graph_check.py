@@ -17,6 +17,7 @@ Prints a table last; exits 1 when any check fails. Needs CUDA.
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import traceback
 
@@ -238,10 +239,7 @@ def chunk_prefill_case(seed, lengths, H_, HV_, form):
     args = (_rnd(g, 1, T, H_, K, dtype=BF16), _rnd(g, 1, T, H_, K, dtype=BF16), _rnd(g, 1, T, HV_, V, dtype=BF16),
             _rnd(g, 1, T, HV_, K, dtype=BF16), _rnd(g, 1, T, HV_, dtype=BF16), _rnd(g, SLOTS, HV_, V, K, s=0.5),
             _slots(seed, N))
-    cu = [0]
-    for n in lengths:
-        cu.append(cu[-1] + n)
-    kw = dict(cu_seqlens=_idx(*cu), A_log=torch.rand(HV_, device=DEV, generator=g), dt_bias=_rnd(g, HV_ * K, s=0.5),
+    kw = dict(cu_seqlens=_idx(0, *itertools.accumulate(lengths)), A_log=torch.rand(HV_, device=DEV, generator=g), dt_bias=_rnd(g, HV_ * K, s=0.5),
               beta_is_logit=True, out=torch.zeros(1, T, HV_, V, dtype=BF16, device=DEV))
     return kdakit.chunk_prefill, args, kw
 
