@@ -40,12 +40,15 @@ def rnd(*shape, dtype=bf):
     return torch.randn(*shape, generator=g).to(dtype)
 
 
-def chunk_form(launcher, picker, *args, lower_bound=None, **kw):
+def chunk_form(launcher, picker, *args, lower_bound=None, from_inputs=False, **kw):
     """A verify's public call as its Triton launch, with its pinned config (``picker``) but
-    ring mode's chunk form at any batch (``config=``)."""
+    ring mode's chunk form at any batch (``config=``); ``from_inputs``: its state kernel
+    forms its products from the inputs (``RingVerifyConfig.state_from_inputs``)."""
     q, v = args[0], args[2]
     (n, t, _, k), (hv, v_dim) = q.shape, v.shape[2:]
-    config = dataclasses.replace(picker(n, t, hv, v_dim, k, lower_bound), ring_form="chunked")
+    config = picker(n, t, hv, v_dim, k, lower_bound)
+    config = dataclasses.replace(config, ring_form="chunked",
+                                 ring=dataclasses.replace(config.ring, state_from_inputs=from_inputs))
     kw = dict(dict(conv_weights=None, conv_states=None, intermediate_conv=None, conv_bias=None, snapshots=None,
                    norm_gate=None, norm_weight=None, norm_eps=1e-6), **kw)
     return launcher(*args, torch.empty(v.shape, dtype=q.dtype), scale=k ** -0.5, lower_bound=lower_bound,
@@ -110,6 +113,8 @@ kdakit.mtp_verify(q, k, v, aT, bT, A_log, dt_bias, state, idx, scratch, conv_wei
                   conv_states=conv_states, intermediate_conv=inter, rings=rings, backend="triton")
 from kdakit.ops.mtp_verify import mtp_verify_config, mtp_verify_triton  # noqa: E402
 chunk_form(mtp_verify_triton, mtp_verify_config, q, k, v, aT, bT, A_log, dt_bias, state, idx, scratch, rings=rings)
+chunk_form(mtp_verify_triton, mtp_verify_config, q, k, v, aT, bT, A_log, dt_bias, state, idx, scratch, rings=rings,
+           from_inputs=True)
 chunk_form(mtp_verify_triton, mtp_verify_config, q, k, v, aT, bT, A_log, dt_bias, state.to(bf), idx, scratch,
            rings=rings)
 chunk_form(mtp_verify_triton, mtp_verify_config, q, k, v, aT, bT, A_log, dt_bias, state, idx, scratch,
@@ -250,6 +255,8 @@ chunk_form(tree_verify_triton, tree_verify_config, tq, tk, tv, ta, tb, torch.ran
            norm_weight=torch.rand(V), **t_conv)
 chunk_form(tree_verify_triton, tree_verify_config, tq, tk, tv, ta, tb, torch.rand(HT), torch.randn(HT * K), t_state,
            idx, scratch, t_parents.long(), rings=t_rings)
+chunk_form(tree_verify_triton, tree_verify_config, tq, tk, tv, ta, tb, torch.rand(HT), torch.randn(HT * K), t_state,
+           idx, scratch, t_parents, rings=t_rings, lower_bound=-5.0, from_inputs=True)
 assert "_tree_verify_kernel" not in COMPILED_FOR_TARGET[n_before:], COMPILED_FOR_TARGET[n_before:]
 # Long trees and chains: the node / step loop (VerifyConfig.unroll_steps=False), with the
 # parent prefetch in snapshot mode and the refold in ring mode's recurrence.

@@ -73,3 +73,15 @@ def noncontig_last(x):
     wide[..., ::2] = x
     return wide[..., ::2]
 
+
+
+# Ring mode's forms a test forces whatever the batch (tests use tiny batches): the recurrence,
+# the chunk form, and the chunk form whose state kernel forms its products from the inputs.
+RING_FORMS = ["chunked", "chunked-from-inputs", "recurrent"]
+
+
+def with_ring_form(config, form: str):
+    """A verify config (mtp_verify_config's or tree_verify_config's) with ring mode's ``form``."""
+    import dataclasses
+    return dataclasses.replace(config, ring_form="recurrent" if form == "recurrent" else "chunked",
+                               ring=dataclasses.replace(config.ring, state_from_inputs=form == "chunked-from-inputs"))

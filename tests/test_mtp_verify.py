@@ -10,10 +10,9 @@ import kdakit
 from kdakit import reference
 from kdakit.compat import sglang
 
-from helpers import assert_close
+from helpers import RING_FORMS, assert_close, with_ring_form
 
 BACKENDS = ["reference", "triton"]
-RING_FORMS = ["chunked", "recurrent"]  # kdakit.ops.mtp_verify.ring_form: the batch size picks one
 
 
 @pytest.fixture
@@ -25,7 +24,7 @@ def use_ring_form(monkeypatch):
 
     def use(form):
         monkeypatch.setattr(mtp_verify_module, "mtp_verify_config",
-                            lambda *a, **kw: dataclasses.replace(pinned(*a, **kw), ring_form=form))
+                            lambda *a, **kw: with_ring_form(pinned(*a, **kw), form))
     return use
 F64 = torch.float64
 W = 4
@@ -142,7 +141,7 @@ def test_ring_form_follows_the_batch():
     assert ring_form(64, 32, 4) == "chunked"
 
 
-@pytest.mark.parametrize("mode", ["ring-chunked", "ring-recurrent", "snapshot"])
+@pytest.mark.parametrize("mode", ["ring-chunked", "ring-chunked-from-inputs", "ring-recurrent", "snapshot"])
 def test_verify_steep_decay_stays_finite(mode, use_ring_form):
     """A = exp(A_log) ~ 55 with the default gate: per-step log-decays of -50 and below
     (exp underflows to 0; the state must decay, not turn NaN)."""
@@ -297,8 +296,8 @@ def test_snapshot_and_ring_verify_agree_and_ring_commit_is_bitwise(T, tile_bytes
     from kdakit.ops.mtp_verify import mtp_verify_config, mtp_verify_triton, recurrence_tile
     p, d = make_problem(41, act=torch.bfloat16, conv=True, T=T, K=16, V=16, padding=True)
     block_v, num_warps = recurrence_tile(d["V"], d["K"], tile_bytes)
-    verify_config = dataclasses.replace(mtp_verify_config(d["N"], T, d["HV"], d["V"], d["K"], -3.0), block_v=block_v,
-                                        num_warps=num_warps, ring_form=form)
+    verify_config = dataclasses.replace(with_ring_form(mtp_verify_config(d["N"], T, d["HV"], d["V"], d["K"], -3.0), form),
+                                        block_v=block_v, num_warps=num_warps)
     commit_config = CommitRingConfig(block_v=block_v, num_warps=num_warps, tiles=commit_tiles, steps_ahead=steps_ahead)
     results = {}
     for mode in ("snapshot", "ring"):

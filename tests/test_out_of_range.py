@@ -15,7 +15,7 @@ import torch
 import kdakit
 from kdakit.compat import sglang
 
-from helpers import assert_close
+from helpers import RING_FORMS, assert_close, with_ring_form
 
 BACKENDS = ["reference", "triton"]
 SENTINEL = 1e30
@@ -271,6 +271,7 @@ CASES = [  # (op counted, case builder, the index of the bad row's outputs, or N
       for mode, conv, bad in (("snapshot", False, "slot"), ("snapshot", False, "row"),
                               ("snapshot", True, "negative-row"), ("ring-recurrent", False, "slot"),
                               ("ring-chunked", False, "slot"), ("ring-chunked", True, "row"),
+                              ("ring-chunked-from-inputs", False, "slot"),
                               ("ring-recurrent", True, "negative-row"))],
     *[pytest.param("commit_snapshots", lambda b, x=bad: case_commit_snapshots(b, x), None,
                    id=f"commit_snapshots-{bad}") for bad in ("slot", "row", "negative-row", "step")],
@@ -321,11 +322,10 @@ def configure(monkeypatch, request):
     from kdakit.ops import fused_decode as fused_module
     from kdakit.ops import mtp_verify as verify_module
     name = request.node.callspec.id
-    for form in ("chunked", "recurrent"):
-        if f"ring-{form}" in name:
-            pinned = verify_module.mtp_verify_config
-            monkeypatch.setattr(verify_module, "mtp_verify_config",
-                                lambda *a, form=form, **kw: dataclasses.replace(pinned(*a, **kw), ring_form=form))
+    form = next((f for f in sorted(RING_FORMS, key=len, reverse=True) if f"ring-{f}-" in name), None)
+    if form is not None:  # the longest form the id names ("chunked" is a prefix of another)
+        pinned = verify_module.mtp_verify_config
+        monkeypatch.setattr(verify_module, "mtp_verify_config", lambda *a, **kw: with_ring_form(pinned(*a, **kw), form))
     if "chain" in name:
         monkeypatch.setattr(fused_module, "fused_decode_config",
                             functools.partial(fused_module.fused_decode_config, chain_above_pairs=0))

@@ -376,14 +376,16 @@ TREE_CHUNK_CASES = [  # (conv, norm, lower_bound, act, HV, T, factored): the chu
 ]
 
 
+@pytest.mark.parametrize("from_inputs", [False, True], ids=["state-after-steps", "state-from-inputs"])
 @pytest.mark.parametrize("conv,norm,lower_bound,act,HV,T,factored", TREE_CHUNK_CASES)
 def test_ring_chunk_form_matches_reference_and_ring_commit_is_bitwise(conv, norm, lower_bound, act, HV, T, factored,
-                                                                       monkeypatch):
+                                                                       from_inputs, monkeypatch):
     """Ring mode's chunk form (``mtp_verify.ring_form``: beyond a few requests; forced here):
     outputs against the float64 reference and the recurrence; ring entries, windows and error
     counts bit for bit the recurrence's; commit_tree_ring of every node's path equals the
     snapshot-mode snapshot bit for bit; padding rows (a free slot, a slot and a scratch row
-    past their buffers) zero and unwritten; an invalid parent is the committed state."""
+    past their buffers) zero and unwritten; an invalid parent is the committed state. Both
+    orders of the state kernel (``RingVerifyConfig.state_from_inputs``)."""
     from kdakit.ops import ring_verify, tree_verify as tree_verify_module
     pinned = tree_verify_module.tree_verify_config
 
@@ -392,7 +394,8 @@ def test_ring_chunk_form_matches_reference_and_ring_commit_is_bitwise(conv, norm
         def config(*args, **kw):
             config = pinned(*args, **kw)
             return dataclasses.replace(config, ring_form=form,
-                                       ring=dataclasses.replace(config.ring, factored=factored and config.ring.factored))
+                                       ring=dataclasses.replace(config.ring, factored=factored and config.ring.factored,
+                                                                state_from_inputs=from_inputs))
         return config
     assert (factored and ring_verify.factored_pair_sums(T, lower_bound)) == factored
     p, d = make_problem(83, N=5, T=T, HV=HV, act=act, conv=conv, norm=norm, K=16, V=24, slots=7, scratch=6)

@@ -71,11 +71,12 @@ def _ring_verify_steps_kernel(
     num_slots, num_rows, scale, lower_bound,
     T: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, SAFE_GATE: tl.constexpr, FACTORED: tl.constexpr,
-    TREE: tl.constexpr,
+    TREE: tl.constexpr, STORE_X: tl.constexpr,
     WAIT_FOR_TOKENS: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr, CHECK_ROWS: tl.constexpr,
     ERR_INDEX: tl.constexpr,
 ):
-    # One program per (request, value head): x and M (v enters in the state kernel). The k
+    # One program per (request, value head): M, and x unless the state kernel forms its
+    # products from the inputs (STORE_X false; v enters in the state kernel). The k
     # ring has one writer per key head: the group's first value head. TREE: the pairs and
     # decay sums follow each node's root-to-node path (``parents`` [N, T]); otherwise the
     # steps form a chain (``parents`` is not read).
@@ -188,27 +189,82 @@ def _ring_verify_steps_kernel(
         solve = tl.where(offs_t[:, None] == t, new[None, :], solve)
     M = tl.sum(B[:, :, None] * solve[None, :, :], axis=1) * beta[None, :]
 
-    x = q_gated
-    for s in tl.static_range(T):
-        m_s = tl.sum(tl.where(offs_t[None, :] == s, M, 0.0), axis=1)
-        x -= m_s[:, None] * tl.sum(tl.where(offs_t[:, None] == s, k_gated, 0.0), axis=0)[None, :]
     head_rows = (i_n.to(tl.int64) * HV + i_hv) * T + offs_t
-    tl.store(x_rows + head_rows[:, None] * K + offs_k[None, :], x, mask=mask_tk)
+    if STORE_X:
+        x = q_gated
+        for s in tl.static_range(T):
+            m_s = tl.sum(tl.where(offs_t[None, :] == s, M, 0.0), axis=1)
+            x -= m_s[:, None] * tl.sum(tl.where(offs_t[:, None] == s, k_gated, 0.0), axis=0)[None, :]
+        tl.store(x_rows + head_rows[:, None] * K + offs_k[None, :], x, mask=mask_tk)
     tl.store(m_rows + head_rows[:, None] * T + offs_t[None, :], M, mask=mask_t[:, None] & mask_t[None, :])
 
 
 @triton.jit
+def _gated_products_from_inputs(
+    state_rows, q, k, a, A_log, dt_bias, parents, i_n, i_hv, live, mask_v, scale, lower_bound,
+    T: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, DOT_T: tl.constexpr,
+    BLOCK_V: tl.constexpr, K_CHUNK: tl.constexpr, NUM_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SAFE_GATE: tl.constexpr, TREE: tl.constexpr,
+):
+    """``S_0 (q̂ e^G)^T`` and ``S_0 (k̂ e^G)^T`` ([BLOCK_V, DOT_T] each) from the verify's inputs:
+    the q and k norms, the gate and its path sums formed here as the steps kernel forms them."""
+    offs_t = tl.arange(0, DOT_T)
+    mask_t = offs_t < T
+    i_h = i_hv // (HV // H)
+    tok = i_n.to(tl.int64) * T + offs_t
+    qk_rows = (tok * H + i_h) * K
+    q_sq = tl.zeros([DOT_T], dtype=tl.float32)
+    k_sq = tl.zeros([DOT_T], dtype=tl.float32)
+    for k0 in range(0, K, K_CHUNK):  # the norms span K, so they come first
+        offs_c = k0 + tl.arange(0, K_CHUNK)
+        # a padding row's tokens are not read: its products are zero whatever they hold
+        mask_tc = mask_if(mask_t[:, None] & (offs_c < K)[None, :], live)
+        q_c = tl.load(q + qk_rows[:, None] + offs_c[None, :], mask=mask_tc, other=0.0).to(tl.float32)
+        k_c = tl.load(k + qk_rows[:, None] + offs_c[None, :], mask=mask_tc, other=0.0).to(tl.float32)
+        q_sq += tl.sum(q_c * q_c, axis=1)
+        k_sq += tl.sum(k_c * k_c, axis=1)
+    q_scale = scale / tl.sqrt(q_sq + 1e-6)
+    k_scale = 1.0 / tl.sqrt(k_sq + 1e-6)
+    if TREE:  # on_path[t, s]: s is t or an ancestor of t, so on_path @ g sums g along t's path
+        bits = tree_path_bits(load_tree_parents(parents + i_n.to(tl.int64) * T, T, DOT_T), T, DOT_T)
+        on_path = (((bits[:, None] >> offs_t[None, :].to(bits.dtype)) & 1) != 0).to(tl.float32)
+    A_log_h = tl.load(A_log + i_hv).to(tl.float32)
+    acc_q = tl.zeros((BLOCK_V, DOT_T), dtype=tl.float32)
+    acc_k = tl.zeros((BLOCK_V, DOT_T), dtype=tl.float32)
+    for k0 in tl.range(0, K, K_CHUNK, num_stages=NUM_STAGES):
+        offs_c = k0 + tl.arange(0, K_CHUNK)
+        mask_c = offs_c < K
+        mask_tc = mask_if(mask_t[:, None] & mask_c[None, :], live)
+        S0 = tl.load(state_rows + offs_c[None, :], mask=mask_if(mask_v[:, None] & mask_c[None, :], live), other=0.0)
+        q_c = tl.load(q + qk_rows[:, None] + offs_c[None, :], mask=mask_tc, other=0.0).to(tl.float32)
+        k_c = tl.load(k + qk_rows[:, None] + offs_c[None, :], mask=mask_tc, other=0.0).to(tl.float32)
+        a_c = tl.load(a + ((tok * HV + i_hv) * K)[:, None] + offs_c[None, :], mask=mask_tc, other=0.0).to(tl.float32)
+        bias = tl.load(dt_bias + i_hv * K + offs_c, mask=mask_c, other=0.0).to(tl.float32)
+        g = tl.where(mask_tc, kda_log_decay(a_c, bias[None, :], A_log_h, lower_bound, SAFE_GATE), 0.0)
+        if TREE:
+            G_cum = tl.dot(on_path, g, input_precision="ieee")
+        else:
+            G_cum = tl.cumsum(g, axis=0)
+        e_G = tl.exp(G_cum)
+        acc_q = tl.dot(S0.to(tl.float32), tl.trans(q_c * q_scale[:, None] * e_G), acc_q, input_precision=DOT_PRECISION)
+        acc_k = tl.dot(S0.to(tl.float32), tl.trans(k_c * k_scale[:, None] * e_G), acc_k, input_precision=DOT_PRECISION)
+    return acc_q, acc_k
+
+
+@triton.jit
 def _ring_verify_state_kernel(
-    state, v, slot_indices, scratch_indices, x_rows, m_rows, out, ring_v, stride_state_slot, s_rv_slot, ring_len,
-    num_slots, num_rows,
-    T: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    state, q, k, v, a, A_log, dt_bias, parents, slot_indices, scratch_indices, x_rows, m_rows, out, ring_v,
+    stride_state_slot, s_rv_slot, ring_len, num_slots, num_rows, scale, lower_bound,
+    T: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     DOT_T: tl.constexpr, BLOCK_V: tl.constexpr, K_CHUNK: tl.constexpr, NUM_STAGES: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, WAIT_FOR_STEPS: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
-    CHECK_ROWS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, SAFE_GATE: tl.constexpr, TREE: tl.constexpr, FROM_INPUTS: tl.constexpr,
+    WAIT_FOR_STEPS: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr, CHECK_ROWS: tl.constexpr,
 ):
     # One program: BLOCK_V state rows of one (request, value head); out = S_0 x^T + v^T M^T,
     # and these rows of the v ring. DOT_T >= 16 steps (a dot's smallest side); the steps
-    # past T are zero.
+    # past T are zero. FROM_INPUTS: the state's read and products need nothing of the steps
+    # kernel, so they run before the wait, beside it: with q̃ = q̂ e^G, k̃ = k̂ e^G and
+    # x = q̃ - M k̃, out = S_0 q̃^T + (v^T - S_0 k̃^T) M^T.
     i_v, i_hv, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if LAUNCH_DEPENDENTS:  # the output norm may start loading its gate now
         gdc_launch_dependents()
@@ -219,8 +275,12 @@ def _ring_verify_state_kernel(
     slot, row, live = verify_request(slot_indices, scratch_indices, i_n, num_slots, num_rows, CHECK_ROWS)
     head = i_n.to(tl.int64) * HV + i_hv
     state_rows = state + slot * stride_state_slot + i_hv * V * K + offs_v[:, None] * K
-    x_head = x_rows + (head * T + offs_t)[:, None] * K
-    if WAIT_FOR_STEPS:  # x and M come from the steps kernel (and v from the conv before it)
+    if FROM_INPUTS:
+        acc_q, acc_k = _gated_products_from_inputs(
+            state_rows, q, k, a, A_log, dt_bias, parents, i_n, i_hv, live, mask_v, scale, lower_bound,
+            T=T, H=H, HV=HV, K=K, DOT_T=DOT_T, BLOCK_V=BLOCK_V, K_CHUNK=K_CHUNK, NUM_STAGES=NUM_STAGES,
+            DOT_PRECISION=DOT_PRECISION, SAFE_GATE=SAFE_GATE, TREE=TREE)
+    if WAIT_FOR_STEPS:  # M (and x) come from the steps kernel (and v from the conv before it)
         gdc_wait()
     mask_vt = mask_v[:, None] & mask_t[None, :]
     tok = i_n.to(tl.int64) * T + offs_t
@@ -230,14 +290,18 @@ def _ring_verify_state_kernel(
              vT.to(ring_v.dtype.element_ty), mask=mask_if(mask_vt, live))
     M = tl.load(m_rows + (head * T + offs_t)[:, None] * T + offs_t[None, :],
                 mask=mask_if(mask_t[:, None] & mask_t[None, :], live), other=0.0)
-    acc = tl.zeros((BLOCK_V, DOT_T), dtype=tl.float32)
-    for k0 in tl.range(0, K, K_CHUNK, num_stages=NUM_STAGES):
-        offs_c = k0 + tl.arange(0, K_CHUNK)
-        mask_c = offs_c < K
-        S0 = tl.load(state_rows + offs_c[None, :], mask=mask_if(mask_v[:, None] & mask_c[None, :], live), other=0.0)
-        x = tl.load(x_head + offs_c[None, :], mask=mask_if(mask_t[:, None] & mask_c[None, :], live), other=0.0)
-        acc = tl.dot(S0.to(tl.float32), tl.trans(x), acc, input_precision=DOT_PRECISION)
-    o = tl.dot(vT.to(tl.float32), tl.trans(M), acc, input_precision=DOT_PRECISION)
+    if FROM_INPUTS:
+        o = tl.dot(vT.to(tl.float32) - acc_k, tl.trans(M), acc_q, input_precision=DOT_PRECISION)
+    else:
+        x_head = x_rows + (head * T + offs_t)[:, None] * K
+        acc = tl.zeros((BLOCK_V, DOT_T), dtype=tl.float32)
+        for k0 in tl.range(0, K, K_CHUNK, num_stages=NUM_STAGES):
+            offs_c = k0 + tl.arange(0, K_CHUNK)
+            mask_c = offs_c < K
+            S0 = tl.load(state_rows + offs_c[None, :], mask=mask_if(mask_v[:, None] & mask_c[None, :], live), other=0.0)
+            x = tl.load(x_head + offs_c[None, :], mask=mask_if(mask_t[:, None] & mask_c[None, :], live), other=0.0)
+            acc = tl.dot(S0.to(tl.float32), tl.trans(x), acc, input_precision=DOT_PRECISION)
+        o = tl.dot(vT.to(tl.float32), tl.trans(M), acc, input_precision=DOT_PRECISION)
     tl.store(out + (tok * HV + i_hv)[None, :] * V + offs_v[:, None], o.to(out.dtype.element_ty), mask=mask_vt)
 
 
@@ -250,7 +314,10 @@ class RingVerifyConfig:
     and the gate). The state kernel's tile (``state_block_v`` rows on ``state_warps``), K
     chunk, pipeline depth and dot precision (tf32x3: three tf32 products, float32-level
     accuracy); the steps kernel's warps (``steps_warps``) and whether its pair sums are
-    factored (``factored_pair_sums``; only sound where the safe gate bounds the decay)."""
+    factored (``factored_pair_sums``; only sound where the safe gate bounds the decay).
+    ``state_from_inputs``: the state kernel forms ``q̂ e^G`` and ``k̂ e^G`` from the inputs and
+    reads the state before it waits for the steps kernel, which then writes only ``M`` (no
+    effect where q and k come from a conv launched just before, which the wait orders)."""
     state_block_v: int = 64
     state_warps: int = 4
     k_chunk: int = 32
@@ -258,6 +325,7 @@ class RingVerifyConfig:
     dot_precision: str = "tf32x3"
     steps_warps: int = 1
     factored: bool = False
+    state_from_inputs: bool = False
 
 
 # The pair sums factored as (k̂ e^G)(k̂ e^-G) where the safe gate bounds |G| by T |lower_bound|
@@ -296,9 +364,11 @@ def ring_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indi
     N, T, H, K = q.shape
     HV, V = v.shape[-2:]
     ring_k, ring_v, ring_g, ring_beta = rings
-    x_rows = torch.empty(N, HV, T, K, dtype=torch.float32, device=q.device)
-    m_rows = torch.empty(N, HV, T, T, dtype=torch.float32, device=q.device)
     cfg = config or ring_verify_config(T, lower_bound)
+    # q and k from a conv launched just before are ready only after the wait
+    from_inputs = cfg.state_from_inputs and not (wait_for_tokens and pdl)
+    m_rows = torch.empty(N, HV, T, T, dtype=torch.float32, device=q.device)
+    x_rows = m_rows if from_inputs else torch.empty(N, HV, T, K, dtype=torch.float32, device=q.device)
     tree = parents is not None
     assert not tree or T <= MAX_TREE_NODES, "a tree's chunk form takes at most MAX_TREE_NODES nodes"
     _ring_verify_steps(
@@ -309,18 +379,20 @@ def ring_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indi
          *bounds, float(scale), float(lower_bound) if lower_bound is not None else 0.0),
         dict(T=T, H=H, HV=HV, K=K, BLOCK_T=next_power_of_2(T), BLOCK_K=next_power_of_2(K),
              SAFE_GATE=lower_bound is not None, FACTORED=bool(cfg.factored) and lower_bound is not None, TREE=tree,
-             WAIT_FOR_TOKENS=wait_for_tokens and pdl, LAUNCH_DEPENDENTS=pdl, CHECK_ROWS=bounds[1] >= 0,
+             STORE_X=not from_inputs, WAIT_FOR_TOKENS=wait_for_tokens and pdl, LAUNCH_DEPENDENTS=pdl, CHECK_ROWS=bounds[1] >= 0,
              ERR_INDEX=errors.INDEX["tree_verify" if tree else "mtp_verify"]),
         num_warps=cfg.steps_warps, num_stages=1, launch_pdl=wait_for_tokens and pdl)
     block_v, num_warps = cfg.state_block_v, cfg.state_warps
     block_v = max(16, min(block_v, next_power_of_2(V)))
     _ring_verify_state(
         (cdiv(V, block_v), HV, N),
-        (state, v, slot_indices, scratch_indices, x_rows, m_rows, out, ring_v, state.stride(0), ring_v.stride(0),
-         ring_v.shape[2], *bounds),
-        dict(T=T, HV=HV, K=K, V=V, DOT_T=max(16, next_power_of_2(T)), BLOCK_V=block_v,
+        (state, q, k, v, a, A_log, dt_bias, parents if tree else slot_indices, slot_indices, scratch_indices, x_rows,
+         m_rows, out, ring_v, state.stride(0), ring_v.stride(0), ring_v.shape[2], *bounds, float(scale),
+         float(lower_bound) if lower_bound is not None else 0.0),
+        dict(T=T, H=H, HV=HV, K=K, V=V, DOT_T=max(16, next_power_of_2(T)), BLOCK_V=block_v,
              K_CHUNK=max(16, min(cfg.k_chunk, next_power_of_2(K))), NUM_STAGES=cfg.num_stages,
-             DOT_PRECISION=cfg.dot_precision, WAIT_FOR_STEPS=pdl, LAUNCH_DEPENDENTS=launch_dependents and pdl,
+             DOT_PRECISION=cfg.dot_precision, SAFE_GATE=lower_bound is not None, TREE=tree,
+             FROM_INPUTS=from_inputs, WAIT_FOR_STEPS=pdl, LAUNCH_DEPENDENTS=launch_dependents and pdl,
              CHECK_ROWS=bounds[1] >= 0),
         num_warps=num_warps if block_v >= 64 else 4, num_stages=1, launch_pdl=pdl)
     return out
