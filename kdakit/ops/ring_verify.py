@@ -347,9 +347,20 @@ def steps_warps(T: int) -> int:
     return 1 if T <= 8 else 2
 
 
-def ring_verify_config(T: int, lower_bound) -> RingVerifyConfig:
-    """The chunk form's pinned config for ``T`` steps under ``lower_bound`` (None: the default gate)."""
-    return RingVerifyConfig(steps_warps=steps_warps(T), factored=factored_pair_sums(T, lower_bound))
+def state_from_inputs(T: int, tree: bool) -> bool:
+    """Past 8 nodes the tree's steps kernel (two warps) is long enough that the state's read
+    and products pay for their extra work by running beside it: 16 nodes, N = 8 / 64 / 256,
+    51-52 / 284-290 / 1085 µs against 58-64 / 309-316 / 1166-1171
+    (results/tree_verify_ring_from_inputs_h200.json). At 8 nodes and fewer they cost more
+    (N = 8: 25.7 against 22.2 µs; N = 64: 126 against 75); chains past 8 steps not measured."""
+    return tree and T > 8
+
+
+def ring_verify_config(T: int, lower_bound, tree: bool = False) -> RingVerifyConfig:
+    """The chunk form's pinned config for ``T`` steps (``tree``: nodes) under ``lower_bound``
+    (None: the default gate)."""
+    return RingVerifyConfig(steps_warps=steps_warps(T), factored=factored_pair_sums(T, lower_bound),
+                            state_from_inputs=state_from_inputs(T, tree))
 
 
 def ring_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, bounds, out, rings, *, scale,

@@ -259,7 +259,7 @@ def tree_verify_config(N: int, T: int, HV: int, V: int, K: int, lower_bound) -> 
     block_v, num_warps = recurrence_tile(V, K)
     unrolled = unroll_steps(T, TREE_UNROLL_NODES_MAX)
     return VerifyConfig(block_v=block_v, num_warps=num_warps, ring_form=ring_form(N, HV, T),
-                        ring=ring_verify_config(T, lower_bound), unroll_steps=unrolled,
+                        ring=ring_verify_config(T, lower_bound, tree=True), unroll_steps=unrolled,
                         prefetch_parent=not unrolled)
 
 
