@@ -14,7 +14,10 @@ Steps 4-6 of the one-token math (docs/design.md), unrolled over the request's to
 Two kernels: ``_ring_verify_steps`` (one small program per request and value head: the
 pair sums, the triangular solve, ``x``, ``M`` and the k, g, β ring entries), then
 ``_ring_verify_state`` (the state streamed through shared memory into one matrix product
-with ``x``, plus ``v^T M^T``; the v ring entries), a dependent launch of the first. Under the
+with ``x``, plus ``v^T M^T``; the v ring entries), a dependent launch of the first. With
+``RingVerifyConfig.state_from_inputs`` the state kernel forms ``S_0 (q̂ e^G)^T`` and
+``S_0 (k̂ e^G)^T`` from the inputs before it waits, and ``o = S_0 (q̂ e^G)^T + (v^T - S_0 (k̂ e^G)^T) M^T``
+(the same ``o``), so its read of the state runs beside the steps kernel. Under the
 default gate each ``e^(G_t - G_s)`` is taken pair by pair (``e^G_t · e^-G_s`` overflows for
 fast-decaying channels); under the safe gate with ``T |lower_bound| <= 80`` the pair sums factor
 as ``(k̂ e^G)(k̂ e^-G)^T`` (see ``FACTOR_BOUND``).
