@@ -27,6 +27,7 @@ import kdakit
 from kdakit.ops.chunk_prefill import chunk_config
 from kdakit.ops.mtp_verify import ring_form
 from kdakit.ops.registry import OPS
+from kdakit.ops.tree_verify import tree_verify_config
 
 H = HV = 32
 K = V = 128
@@ -216,6 +217,19 @@ def _ring_chunk_form(case):
     return build
 
 
+def _post_conv_tree_case(seed):
+    """The tree's ring chunk form with q, k given post-conv (no conv kwargs), at 12 nodes: its
+    state kernel forms its products from the inputs before the dependent-launch wait (asserted),
+    which the fused conv turns off."""
+    parents = (-1, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9)
+    op, args, kw = _tree_case(seed, "ring", parents=parents)
+    for name in ("conv_weights", "conv_states", "intermediate_conv"):
+        kw.pop(name)
+    N, T = args[0].shape[:2]
+    assert tree_verify_config(N, T, HV, V, K, kw["lower_bound"]).ring.state_from_inputs
+    return op, args, kw
+
+
 # 9 steps or nodes: N·HV·T = 1152, past RING_CHUNK_FORM_ABOVE (the 3- and 5-step cases run the recurrence)
 T_RING_CHUNK = 9
 CASES.update({
@@ -224,6 +238,7 @@ CASES.update({
     "commit_tree_ring": commit_tree_ring_case,
     "mtp_verify-ring-chunk": _ring_chunk_form(lambda s: _verify_case(s, "ring", T=T_RING_CHUNK)),
     "tree_verify-ring-chunk": _ring_chunk_form(lambda s: _tree_case(s, "ring", parents=(-1, 0, 0, 1, 2, 3, 4, 5, 6))),
+    "tree_verify-ring-chunk-post-conv": _ring_chunk_form(_post_conv_tree_case),
 })
 def chunk_prefill_case(seed, lengths, H_, HV_, form):
     """Sequences of ``lengths`` tokens (the second a padding sequence, slot -1) at K = V = 128,

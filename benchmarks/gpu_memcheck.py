@@ -43,6 +43,7 @@ INDEX_ARGS = {
     "chunk_prefill-tiles": [(("arg", 6), SLOTS, ("arg", 6))],
     "mtp_verify-ring-chunk": [(("arg", 8), SLOTS, ("arg", 8)), (("arg", 9), 4, ("arg", 8))],
     "tree_verify-ring-chunk": [(("arg", 8), SLOTS, ("arg", 8)), (("arg", 9), 4, ("arg", 8))],
+    "tree_verify-ring-chunk-post-conv": [(("arg", 8), SLOTS, ("arg", 8))],  # no conv: no scratch row is read
     "chunk_prefill-example": [(("arg", 6), 5, ("arg", 6))],
 }
 

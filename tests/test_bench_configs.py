@@ -198,7 +198,8 @@ def test_gpu_check_cases_reach_the_picked_chain_forms():
 
 
 @pytest.mark.parametrize("name", ["chunk_prefill-long", "chunk_prefill-pieces", "chunk_prefill-tiles",
-                                  "mtp_verify-ring-chunk", "tree_verify-ring-chunk"])
+                                  "mtp_verify-ring-chunk", "tree_verify-ring-chunk",
+                                  "tree_verify-ring-chunk-post-conv"])
 def test_gpu_graph_and_memcheck_cases_take_their_forms(name, monkeypatch):
     """benchmarks/gpu_compile_graph_check.py's cases for the forms picked only past a threshold
     build (on the CPU here) with the shapes that reach them: each asserts its form while it builds;

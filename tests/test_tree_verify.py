@@ -579,10 +579,11 @@ def test_commit_pickers_take_two_recurrence_tiles_of_rows_on_one_warp():
 
 def test_state_kernel_runs_beside_the_steps_past_8_nodes():
     """The ring chunk form's state kernel forms its products from the inputs (beside the
-    steps kernel) for trees of more than 8 nodes only; chains keep the order they were measured in."""
+    steps kernel) for trees of 9 to 16 nodes only; chains keep the order they were measured in."""
     from kdakit.ops.mtp_verify import mtp_verify_config
     from kdakit.ops.tree_verify import tree_verify_config
     assert tree_verify_config(8, 16, 32, 128, 128, -5.0).ring.state_from_inputs
     assert tree_verify_config(64, 9, 32, 128, 128, None).ring.state_from_inputs
     assert not tree_verify_config(8, 8, 32, 128, 128, -5.0).ring.state_from_inputs
+    assert not tree_verify_config(8, 17, 32, 128, 128, -5.0).ring.state_from_inputs, "not timed past 16 nodes"
     assert not mtp_verify_config(8, 16, 32, 128, 128, -5.0).ring.state_from_inputs

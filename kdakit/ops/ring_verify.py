@@ -351,12 +351,14 @@ def steps_warps(T: int) -> int:
 
 
 def state_from_inputs(T: int, tree: bool) -> bool:
-    """Past 8 nodes the tree's steps kernel (two warps) is long enough that the state's read
-    and products pay for their extra work by running beside it: 16 nodes, N = 8 / 64 / 256,
-    51-52 / 284-290 / 1085 µs against 58-64 / 309-316 / 1166-1171
+    """From 9 to 16 nodes the tree's steps kernel (two warps) is long enough that the state's
+    read and products pay for their extra work by running beside it: 16 nodes, N = 8 / 64 /
+    256, 51-52 / 284-290 / 1085 µs against 58-64 / 309-316 / 1166-1171, q and k given post-conv
     (results/tree_verify_ring_from_inputs_h200.json). At 8 nodes and fewer they cost more
-    (N = 8: 25.7 against 22.2 µs; N = 64: 126 against 75); chains past 8 steps not measured."""
-    return tree and T > 8
+    (N = 8: 25.7 against 22.2 µs; N = 64: 126 against 75). Not timed past 16 nodes, nor for
+    chains past 8 steps. With the conv fused (and dependent launches) the launcher keeps the
+    order after the wait whatever the config says."""
+    return tree and 8 < T <= 16
 
 
 def ring_verify_config(T: int, lower_bound, tree: bool = False) -> RingVerifyConfig:
