@@ -14,26 +14,28 @@ import argparse
 import functools
 import os
 import sys
-from dataclasses import replace
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 import test_out_of_range as cases  # noqa: E402
-from helpers import rel_err  # noqa: E402
+from helpers import RING_FORMS, rel_err, with_ring_form  # noqa: E402
 
 import kdakit  # noqa: E402
 from kdakit.ops import fused_decode as fused_module  # noqa: E402
 from kdakit.ops import mtp_verify as verify_module  # noqa: E402
+from kdakit.ops import tree_verify as tree_module  # noqa: E402
 
 
-PINNED = {"verify": verify_module.mtp_verify_config, "fused": fused_module.fused_decode_config}
+PINNED = {"verify": verify_module.mtp_verify_config, "tree": tree_module.tree_verify_config,
+          "fused": fused_module.fused_decode_config}
 
 
 def configure(name: str) -> None:
     # the public calls' launch configs: the pinned ones, with the ring form and the chain forced by case
-    form = "chunked" if "ring-chunked" in name else "recurrent"
-    verify_module.mtp_verify_config = lambda *a, **kw: replace(PINNED["verify"](*a, **kw), ring_form=form)
+    form = next((f for f in sorted(RING_FORMS, key=len, reverse=True) if f"ring-{f}-" in name), "recurrent")
+    verify_module.mtp_verify_config = lambda *a, **kw: with_ring_form(PINNED["verify"](*a, **kw), form)
+    tree_module.tree_verify_config = lambda *a, **kw: with_ring_form(PINNED["tree"](*a, **kw), form)
     fused_module.fused_decode_config = functools.partial(PINNED["fused"], chain_above_pairs=0 if "chain" in name
                                                          else fused_module.CHAIN_ABOVE_PAIRS)
     # the one-kernel fused step runs only without dependent launches

@@ -209,3 +209,23 @@ def test_gpu_graph_and_memcheck_cases_take_their_forms(name, monkeypatch):
     monkeypatch.setattr(gpu_compile_graph_check, "DEV", "cpu")
     op, args, kw = gpu_compile_graph_check.CASES[name](1)
     assert callable(op) and name in gpu_memcheck.INDEX_ARGS
+
+
+@pytest.mark.parametrize("case_id,form,from_inputs", [
+    ("tree_verify-ring-chunked-from-inputs-slot", "chunked", True),
+    ("mtp_verify-ring-chunked-conv-row", "chunked", False),
+    ("mtp_verify-ring-recurrent-slot", "recurrent", False),
+], ids=["from-inputs", "chunked", "recurrent"])
+def test_gpu_out_of_range_check_forces_each_cases_ring_form(case_id, form, from_inputs, monkeypatch):
+    """benchmarks/gpu_out_of_range_check.py gives each case of tests/test_out_of_range.py the ring
+    form its id names, in the chain's and the tree's pickers alike (as that file's fixture does)."""
+    import gpu_out_of_range_check as script
+    monkeypatch.setattr(script.verify_module, "mtp_verify_config", script.verify_module.mtp_verify_config)
+    monkeypatch.setattr(script.tree_module, "tree_verify_config", script.tree_module.tree_verify_config)
+    monkeypatch.setattr(script.fused_module, "fused_decode_config", script.fused_module.fused_decode_config)
+    monkeypatch.setenv("KDAKIT_PDL", "1")
+    monkeypatch.setenv("KDAKIT_BACKEND", "triton")
+    script.configure(case_id)
+    for config in (script.verify_module.mtp_verify_config(2, 3, 4, 16, 16, None),
+                   script.tree_module.tree_verify_config(2, 3, 4, 16, 16, None)):
+        assert (config.ring_form, config.ring.state_from_inputs) == (form, from_inputs)

@@ -291,7 +291,9 @@ CASES = [  # (op counted, case builder, the index of the bad row's outputs, or N
                    id=f"tree_verify-{mode}{'-conv' if conv else ''}-{bad}")
       for mode, conv, bad in (("snapshot", False, "slot"), ("snapshot", True, "row"),
                               ("snapshot", True, "negative-row"), ("snapshot", False, "parent"),
-                              ("ring", False, "slot"), ("ring", True, "row"), ("ring", False, "negative-parent"))],
+                              ("ring", False, "slot"), ("ring", True, "row"), ("ring", False, "negative-parent"),
+                              ("ring-chunked-from-inputs", False, "slot"), ("ring-chunked-from-inputs", True, "row"),
+                              ("ring-chunked-from-inputs", False, "parent"))],
     *[pytest.param("commit_tree_ring", lambda b, x=bad: case_commit_tree_ring(b, x), None,
                    id=f"commit_tree_ring-{bad}") for bad in ("slot", "node", "negative-node")],
 ]
@@ -321,11 +323,13 @@ def configure(monkeypatch, request):
     """Ring forms and the fused decode's chain, by case id."""
     from kdakit.ops import fused_decode as fused_module
     from kdakit.ops import mtp_verify as verify_module
+    from kdakit.ops import tree_verify as tree_module
     name = request.node.callspec.id
     form = next((f for f in sorted(RING_FORMS, key=len, reverse=True) if f"ring-{f}-" in name), None)
     if form is not None:  # the longest form the id names ("chunked" is a prefix of another)
-        pinned = verify_module.mtp_verify_config
-        monkeypatch.setattr(verify_module, "mtp_verify_config", lambda *a, **kw: with_ring_form(pinned(*a, **kw), form))
+        for module, picker in ((verify_module, "mtp_verify_config"), (tree_module, "tree_verify_config")):
+            monkeypatch.setattr(module, picker, lambda *a, pinned=getattr(module, picker), **kw:
+                                with_ring_form(pinned(*a, **kw), form))
     if "chain" in name:
         monkeypatch.setattr(fused_module, "fused_decode_config",
                             functools.partial(fused_module.fused_decode_config, chain_above_pairs=0))
