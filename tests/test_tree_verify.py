@@ -587,3 +587,30 @@ def test_state_kernel_runs_beside_the_steps_past_8_nodes():
     assert not tree_verify_config(8, 8, 32, 128, 128, -5.0).ring.state_from_inputs
     assert not tree_verify_config(8, 17, 32, 128, 128, -5.0).ring.state_from_inputs, "not timed past 16 nodes"
     assert not mtp_verify_config(8, 16, 32, 128, 128, -5.0).ring.state_from_inputs
+
+
+@pytest.mark.parametrize("T,lower_bound", [(20, None), (33, -1.0)], ids=["T20-defaultgate", "T33-safegate"])
+def test_state_from_inputs_on_wide_node_tiles(T, lower_bound, monkeypatch):
+    """The state kernel's products from the inputs on 32- and 64-node tiles (forced: the
+    picker takes them only from 9 to 16 nodes): outputs against float64, the rings bitwise the
+    order after the wait, a free slot's outputs zero."""
+    from kdakit.ops import tree_verify as tree_verify_module
+    pinned = tree_verify_module.tree_verify_config
+    p, d = make_problem(91, N=2, T=T, HV=1, K=16, V=16, conv=False, slots=4, scratch=3)
+    p["slot_indices"][1] = -1
+    ref_out = call_tree(p, fresh_buffers(d, snap_dtype=F64), conv=False, lower_bound=lower_bound, f64=True)
+    results = {}
+    for from_inputs in (False, True):
+        monkeypatch.setattr(tree_verify_module, "tree_verify_config", lambda *a, f=from_inputs, **kw: dataclasses.replace(
+            pinned(*a, **kw), ring_form="chunked",
+            ring=dataclasses.replace(pinned(*a, **kw).ring, state_from_inputs=f)))
+        rings = ring_buffers(d)
+        out = call_tree(p, dict(fresh_buffers(d), snapshots=None), conv=False, lower_bound=lower_bound,
+                        backend="triton", rings=rings)
+        results[from_inputs] = out, rings
+    out, rings = results[True]
+    assert_close(out[0], ref_out[0], 1e-5, "from the inputs vs float64")
+    assert_close(out, results[False][0], 1e-5, "the two orders")
+    assert torch.equal(out[1], torch.zeros_like(out[1])), "a free slot's outputs"
+    for x, y in zip(rings, results[False][1]):
+        assert torch.equal(x, y)
