@@ -601,9 +601,11 @@ def test_state_from_inputs_on_wide_node_tiles(T, lower_bound, monkeypatch):
     ref_out = call_tree(p, fresh_buffers(d, snap_dtype=F64), conv=False, lower_bound=lower_bound, f64=True)
     results = {}
     for from_inputs in (False, True):
-        monkeypatch.setattr(tree_verify_module, "tree_verify_config", lambda *a, f=from_inputs, **kw: dataclasses.replace(
-            pinned(*a, **kw), ring_form="chunked",
-            ring=dataclasses.replace(pinned(*a, **kw).ring, state_from_inputs=f)))
+        def forced(*a, f=from_inputs, **kw):
+            config = pinned(*a, **kw)
+            return dataclasses.replace(config, ring_form="chunked",
+                                       ring=dataclasses.replace(config.ring, state_from_inputs=f))
+        monkeypatch.setattr(tree_verify_module, "tree_verify_config", forced)
         rings = ring_buffers(d)
         out = call_tree(p, dict(fresh_buffers(d), snapshots=None), conv=False, lower_bound=lower_bound,
                         backend="triton", rings=rings)

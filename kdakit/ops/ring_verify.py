@@ -380,12 +380,12 @@ def ring_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indi
     N, T, H, K = q.shape
     HV, V = v.shape[-2:]
     ring_k, ring_v, ring_g, ring_beta = rings
-    cfg = config or ring_verify_config(T, lower_bound)
+    tree = parents is not None
+    cfg = config or ring_verify_config(T, lower_bound, tree=tree)
     # q and k from a conv launched just before are ready only after the wait
     from_inputs = cfg.state_from_inputs and not (wait_for_tokens and pdl)
     m_rows = torch.empty(N, HV, T, T, dtype=torch.float32, device=q.device)
     x_rows = m_rows if from_inputs else torch.empty(N, HV, T, K, dtype=torch.float32, device=q.device)
-    tree = parents is not None
     assert not tree or T <= MAX_TREE_NODES, "a tree's chunk form takes at most MAX_TREE_NODES nodes"
     _ring_verify_steps(
         (HV, N),
@@ -395,7 +395,8 @@ def ring_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indi
          *bounds, float(scale), float(lower_bound) if lower_bound is not None else 0.0),
         dict(T=T, H=H, HV=HV, K=K, BLOCK_T=next_power_of_2(T), BLOCK_K=next_power_of_2(K),
              SAFE_GATE=lower_bound is not None, FACTORED=bool(cfg.factored) and lower_bound is not None, TREE=tree,
-             STORE_X=not from_inputs, WAIT_FOR_TOKENS=wait_for_tokens and pdl, LAUNCH_DEPENDENTS=pdl, CHECK_ROWS=bounds[1] >= 0,
+             STORE_X=not from_inputs, WAIT_FOR_TOKENS=wait_for_tokens and pdl, LAUNCH_DEPENDENTS=pdl,
+             CHECK_ROWS=bounds[1] >= 0,
              ERR_INDEX=errors.INDEX["tree_verify" if tree else "mtp_verify"]),
         num_warps=cfg.steps_warps, num_stages=1, launch_pdl=wait_for_tokens and pdl)
     block_v, num_warps = cfg.state_block_v, cfg.state_warps
