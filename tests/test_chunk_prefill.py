@@ -744,6 +744,48 @@ def test_bf16_factors_against_float64(from_input, gate):
     assert errs[2] != errs[1], "the bf16 chain products must change the results"
 
 
+def long_memory_case(H, HV, K, V, seqlens, *, seed, slots=6):
+    """bf16 inputs with Kimi Linear's gate initialisation (``A_log = log U(1, 16)``, ``dt_bias`` the
+    inverse softplus of ``U(0.001, 0.1)``, raw gate ``0.5 N(0, 1)``): log-decays of about -0.002
+    to -0.5 a token, so the state carries across many chunks and the chain's roundings add up
+    (the default inputs forget within a few tokens, which hides them)."""
+    x, _, _, cu, state, T = make_case(H, HV, K, V, seqlens, seed=seed, act=torch.bfloat16, slots=slots)
+    gen = torch.Generator().manual_seed(seed + 1)
+    A_log = torch.log(1 + 15 * torch.rand(HV, generator=gen))
+    dt = 0.001 + 0.099 * torch.rand(HV * K, generator=gen)
+    dt_bias = dt + torch.log(-torch.expm1(-dt))  # softplus(dt_bias) = dt
+    x["g"] = (0.5 * torch.randn(1, T, HV, K, generator=gen)).to(torch.bfloat16)
+    return x, A_log, dt_bias, cu, state, T
+
+
+@pytest.mark.parametrize("gate", ["softplus", "safe"])
+def test_float32_update_factors_keep_a_long_memory_state_at_float32(gate):
+    """``ChunkConfig.update_factor_dtype="float32"`` with bf16 activations: w, u and
+    k̂ ⊙ e^(Γ_C - Γ) stored in float32 (q̂ ⊙ e^Γ in bf16) keep the final state at float32 accuracy
+    over a long-memory sequence of many chunks, where bf16 update factors lose about 1e-3 or
+    more; the outputs get closer too."""
+    H, HV, K, V = 1, 2, 32, 32
+    x, A_log, dt_bias, cu, state, T = long_memory_case(H, HV, K, V, [200, 40], seed=21)
+    lb = -5.0 if gate == "safe" else None
+    idx = torch.tensor([4, 1], dtype=torch.int32)
+    before = state.clone()
+    ref_out, ref_pool, _ = ref64(x, A_log, dt_bias, cu, state, idx, lower_bound=lb, chunk_size=32)
+    got = {}
+    for update in ("bfloat16", "float32"):
+        pool = before.clone()
+        out = torch.full((1, T, HV, V), POISON).to(torch.bfloat16)
+        cfg = ChunkConfig(chunk=32, block_v=16, split_prep=True, split_rest=True, qk_from_input=True,
+                          factor_dtype="bfloat16", update_factor_dtype=update)
+        run_triton(x, A_log, dt_bias, cu, pool, idx, out, cfg, lower_bound=lb)
+        got[update] = (rel_err(out, ref_out), max(rel_err(pool[s], ref_pool[s]) for s in (4, 1)))
+        check_pool(pool, before, ref_pool, [4, 1], 2e-2, f"{update} update factors")
+    for update, (out_err, state_err) in got.items():
+        ERRORS[f"long memory, {update} update factors {gate}: outputs"] = out_err
+        ERRORS[f"long memory, {update} update factors {gate}: state"] = state_err
+    assert got["float32"][1] < 1e-5 < 1e-3 < got["bfloat16"][1], got
+    assert got["float32"][0] < got["bfloat16"][0] < 2e-2, got
+
+
 @pytest.mark.parametrize("gate", ["softplus", "safe"])
 def test_chain_pieces_with_bf16_chain_products_against_float64(gate):
     """The picked form for one long sequence with few heads: the chain in pieces on 32-row V
@@ -804,6 +846,11 @@ def test_picked_config_follows_the_activations():
     assert chunk_config(32, 1, 128, 128, act_dtype=torch.bfloat16).block_v == 32
     assert chunk_config(8, 8, 128, 128, act_dtype=torch.float32).block_v == 16  # float32 products
     assert (f32.factor_dtype, f32.chain_dot_dtype) == ("float32", "float32")
+    # float32 inputs: float32-level products (three TF32 passes); bf16 / fp16 inputs: one pass
+    assert f32.dot_precision == "tf32x3"
+    assert chunk_config(1, 8, 128, 128, act_dtype=torch.float32, T=8192).dot_precision == "tf32x3"
+    assert all(c.dot_precision == "tf32" for c in (many, one, few_heads))
+    assert chunk_config(8, 32, 128, 128, act_dtype=torch.float16).dot_precision == "tf32"
     assert all(c.qk_from_input and c.split_prep and c.split_rest for c in (many, one, few_heads, f32))
     assert all(c.inverse == "doubling" and c.diagonal_programs for c in (many, one, few_heads, f32))
     assert all(c.products == "block_programs" and c.factor_programs and c.outputs == "in_chain"

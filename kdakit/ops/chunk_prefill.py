@@ -79,10 +79,12 @@ come from the L2 after the first. ``"by_slice"`` accumulates every block's produ
 in one program, ``"by_block"`` loops over the blocks. ``w`` and ``u`` go a program per K and V
 slice (``factor_programs``, picked; ``chunk_factors.py``).
 
-Matrix products use ``tl.dot`` with ``input_precision="tf32"`` by default (one TF32 pass on
-tensor cores: more accurate than fla's bf16 products on the same inputs, and 2.4x faster
-than three passes); ``ChunkConfig.dot_precision`` takes ``"tf32x3"`` (three-pass TF32,
-float32-level accuracy) or ``"ieee"`` (exact float32 FMA) too. With bf16 activations the
+Matrix products take their precision from the activations (``ChunkConfig.dot_precision``):
+float32 inputs get ``"tf32x3"`` (three TF32 passes on tensor cores, float32-level results:
+one pass rounds each operand to 10 mantissa bits, about 1e-3 relative error); bf16 and fp16
+inputs, which carry no more bits than that, get one ``"tf32"`` pass (more accurate than fla's
+bf16 products on the same inputs, and 2.4x faster than three passes); ``"ieee"`` (exact
+float32 FMA) is there for checks. With bf16 activations the
 picked config stores the chain's factors in bf16 (``ChunkConfig.factor_dtype``) and, from
 32-row V tiles, gives the chain's products bf16 operands (``chain_dot_dtype``; float32
 accumulation and state), as fla does: half the bytes the chain streams and no register
@@ -156,6 +158,10 @@ class ChunkConfig:
     factor_dtype: str = "float32"    # the chain's factors (w, u, q̂ ⊙ e^Γ, k̂ ⊙ e^(Γ_C - Γ)) as stored
     #                                  for the state kernel: "bfloat16" halves the bytes it streams per
     #                                  V tile, at one bf16 rounding of each factor (the math stays float32)
+    update_factor_dtype: str = ""    # the state update's factors (w, u, k̂ ⊙ e^(Γ_C - Γ)) as stored, when they
+    #                                  differ from factor_dtype ("" : the same): float32 keeps the state chain
+    #                                  at float32 accuracy where only q̂ ⊙ e^Γ, which feeds the outputs alone,
+    #                                  is rounded to bf16
     chain_dot_dtype: str = "float32"  # the state kernel's products: "bfloat16" operands (the state and the
     #                                  factors rounded for the product; float32 accumulation and state),
     #                                  on V tiles of BF16_DOTS_MIN_BLOCK_V rows or more
@@ -188,6 +194,7 @@ class ChunkConfig:
 
     def __post_init__(self):
         for name, allowed in (("factor_dtype", tuple(_FACTOR_DTYPES)), ("chain_dot_dtype", tuple(_FACTOR_DTYPES)),
+                              ("update_factor_dtype", ("", *_FACTOR_DTYPES)),
                               ("qk_pairs_dtype", tuple(_FACTOR_DTYPES)),
                               ("dot_precision", _DOT_PRECISIONS), ("inverse", _INVERSES),
                               ("products", _PRODUCTS), ("outputs", _OUTPUTS), ("steep_pairs", _STEEP_PAIRS)):
@@ -270,7 +277,11 @@ def chunk_config(N: int, HV: int, K: int, V: int, chunk: int = CHUNK_SIZE,
     # shared memory); 4 warps there, 8 for the widest.
     bf16_dots = bf16 and block_v >= BF16_DOTS_MIN_BLOCK_V
     after = few and pieces == 1 and T >= OUTPUTS_AFTER_FROM_TOKENS * max(N, 1)
-    return ChunkConfig(chunk=chunk, block_v=block_v, prep_warps=4,
+    # Float32 activations ask for float32 results: three-pass TF32 products (one pass rounds each
+    # operand to 10 mantissa bits, ~1e-3 relative error against float64). bf16 and fp16 inputs carry
+    # no more bits than one TF32 pass keeps.
+    dot_precision = "tf32x3" if act_dtype == torch.float32 else "tf32"
+    return ChunkConfig(chunk=chunk, block_v=block_v, prep_warps=4, dot_precision=dot_precision,
                        state_warps=8 if block_v >= 64 or bf16_dots else 4,
                        pipeline_stages=2 if block_v <= 16 or bf16_dots else 1, split_prep=True, split_rest=True,
                        qk_from_input=True, factor_dtype="bfloat16" if bf16 else "float32",
@@ -889,9 +900,10 @@ def chunk_prefill_triton(q, k, v, g, beta, state, slot_indices, out, *, cu_seqle
     ws_q = torch.empty(rows, BK, dtype=qk_dtype, device=dev)
     ws_k = torch.empty(rows, BK, dtype=qk_dtype, device=dev)
     ws_w = torch.empty(rows, BK, dtype=torch.float32, device=dev)
-    ws_u = torch.empty(rows, BVW, dtype=factor_dtype, device=dev)
-    f_q, f_k, f_w = (ws if ws.dtype == factor_dtype else torch.empty_like(ws, dtype=factor_dtype)
-                     for ws in (ws_q, ws_k, ws_w))
+    update_dtype = _FACTOR_DTYPES[cfg.update_factor_dtype or cfg.factor_dtype]
+    ws_u = torch.empty(rows, BVW, dtype=update_dtype, device=dev)
+    f_q, f_k, f_w = (ws if ws.dtype == dtype else torch.empty_like(ws, dtype=dtype)
+                     for ws, dtype in ((ws_q, factor_dtype), (ws_k, update_dtype), (ws_w, update_dtype)))
     ws_p = torch.empty(rows, C, dtype=_FACTOR_DTYPES[cfg.qk_pairs_dtype], device=dev)
     ws_a = torch.empty(rows, C, dtype=torch.float32, device=dev)
     ws_g = torch.empty(max_chunks * HV, BK, dtype=torch.float32, device=dev)
