@@ -128,14 +128,18 @@ _REPLACEMENTS = {"chunk_kimi_delta_attention": chunk_kimi_delta_attention,
 # ----------------------------------------------------------------------------
 # enable / disable
 # ----------------------------------------------------------------------------
-def kimi_linear_module(allow_untested_version: bool = False):
-    """transformers' Kimi Linear modeling module, after checking that kdakit can plug into it."""
+def _transformers_version() -> str:
     try:
         import transformers
     except ImportError as e:
         raise IntegrationError("kdakit.integrations.transformers needs transformers: pip install "
                                "'kdakit[transformers]' (transformers==5.17.0).") from e
-    version = transformers.__version__
+    return transformers.__version__
+
+
+def kimi_linear_module(allow_untested_version: bool = False):
+    """transformers' Kimi Linear modeling module, after checking that kdakit can plug into it."""
+    version = _transformers_version()
     if not version.startswith(SUPPORTED_VERSIONS):
         msg = (f"kdakit.integrations.transformers was written for transformers "
                f"{', '.join(v + 'x' for v in SUPPORTED_VERSIONS)}; this is {version}.")
@@ -240,3 +244,29 @@ def torch_fallback(allow_untested_version: bool = False):
     finally:
         for name, fn in saved.items():
             setattr(kl, name, fn)
+
+
+# ----------------------------------------------------------------------------
+# A tiny model (kdakit demo, tests): no download, random weights from a seed
+# ----------------------------------------------------------------------------
+TINY_CONFIG = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=4,
+    layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+    mlp_layer_types=["dense", "sparse", "dense", "sparse"], num_attention_heads=4, num_key_value_heads=4,
+    kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+    num_local_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1,
+    linear_num_heads=2, linear_head_dim=16, linear_conv_kernel_dim=4, pad_token_id=0, bos_token_id=1,
+    eos_token_id=2, initializer_range=0.1)
+
+
+def tiny_model(seed: int = 0, dtype=torch.float32, device="cpu", **overrides):
+    """A ``KimiLinearForCausalLM`` of ``TINY_CONFIG`` (3 KDA layers, 1 MLA layer, 2 MoE MLPs;
+    ~200k parameters) with seeded random weights, in eval mode. ``initializer_range`` 0.1
+    (not 0.02) so that random weights give logits with clear argmaxes."""
+    kimi_linear_module()
+    from transformers import KimiLinearConfig, KimiLinearForCausalLM
+    config = KimiLinearConfig(**{**TINY_CONFIG, **overrides})
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = KimiLinearForCausalLM(config)
+    return model.eval().to(device=device, dtype=dtype)
