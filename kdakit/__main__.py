@@ -27,7 +27,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="kdakit", description="Kimi Delta Attention serving kernels")
     sub = parser.add_subparsers(dest="command")
     demo.add_arguments(sub.add_parser(
-        "demo", help="(default) a tiny KDA model: plain vs speculative decoding, identical tokens"))
+        "demo", help="(default) transformers' Kimi Linear as is, with kdakit.enable() and served by kdakit "
+        "(plain and speculative): identical tokens; --toy: kdakit's own KDA model"))
     check = sub.add_parser("check", help="every backend available here against the float64 reference")
     check.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     bench = sub.add_parser("bench", help="GPU benchmark sweep: table, JSON and a GB/s plot")

@@ -368,6 +368,12 @@ def run(args) -> dict:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON line (match, accept_rate, tokens, ...)")
+    p.add_argument("--toy", action="store_true",
+                   help="kdakit's own tiny KDA-only model (no transformers): plain vs one speculative mode (--spec), "
+                        "the safe gate (--lower-bound) and per-op timings")
+    p.add_argument("--model", default=None, metavar="PATH",
+                   help="a local Kimi Linear checkpoint directory (config + safetensors) instead of the tiny model")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="model dtype (transformers demo)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     p.add_argument("--spec", choices=("ring", "snapshot", "tree", "tree-ring"), default="ring",
                    help="how verify keeps its steps (tree, tree-ring: top-2 draft trees --num-spec levels deep, "
@@ -388,6 +394,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args) -> int:
+    if not args.toy:
+        return _main_transformers(args)
     if args.num_spec < 1 or args.new_tokens < 1 or args.batch < 1:
         print("kdakit demo: --num-spec, --new-tokens and --batch must be >= 1", file=sys.stderr)
         return 2
@@ -414,3 +422,17 @@ def main(args) -> int:
             f"{op} {t['us']:.0f} ({t['calls']} calls)" for op, t in result["us_per_layer_call"].items()))
         print(f"done in {result['seconds']:.1f} s")
     return 0 if result["match"] else 1
+
+
+def _main_transformers(args) -> int:
+    """The default demo: transformers' Kimi Linear, (a) as is, (b) with enable(), (c) served by kdakit."""
+    if args.num_spec < 1 or args.new_tokens < 2 or args.batch < 1:
+        print("kdakit demo: --num-spec and --batch must be >= 1, --new-tokens >= 2", file=sys.stderr)
+        return 2
+    from . import demo_hf
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny model: intra-op threads only add synchronisation on a CPU
+    try:
+        return demo_hf.main(args)
+    finally:
+        torch.set_num_threads(threads)

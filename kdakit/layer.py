@@ -250,6 +250,48 @@ class KDALayer(nn.Module):
         commit_snapshots(c.state, snapshots, as_t(slots), as_t(scratch_rows), as_t(accepted_nodes),
                          conv_states=[c.conv], intermediate_conv=[c.intermediate_conv])
 
+    # ------------------------------------------------------------------ transformers
+    @classmethod
+    def from_transformers(cls, module: nn.Module) -> "KDALayer":
+        """This layer with the weights of Hugging Face transformers' ``KimiLinearDeltaAttention``
+        ``module`` (Kimi Linear, transformers 5.17): same device; the projections keep their
+        dtype, the conv taps, ``A_log``, ``dt_bias`` and the output-norm weight become float32.
+        The caches are kdakit's (attach a ``StatePool``), not transformers' ``DynamicCache``."""
+        needed = ("q_proj", "k_proj", "v_proj", "conv1d", "forget_gate", "b_proj", "g_a_proj", "g_b_proj",
+                  "o_norm", "o_proj", "num_heads", "head_dim", "conv_kernel_size", "activation")
+        missing = [n for n in needed if not hasattr(module, n)]
+        if missing:
+            raise ValueError(f"from_transformers takes a transformers KimiLinearDeltaAttention (got "
+                             f"{type(module).__name__}, which has no {', '.join(missing)}).")
+        if module.activation not in ("silu", "swish"):
+            raise ValueError(f"kdakit's short conv applies SiLU; this layer's activation is {module.activation!r}.")
+        if module.conv1d.bias is not None:
+            raise ValueError("kdakit's KDALayer has no short-conv bias; this layer has one.")
+        fg = module.forget_gate
+        H, K, W = module.num_heads, module.head_dim, module.conv_kernel_size
+        hidden = module.q_proj.weight.shape[1]
+        shapes = {"q_proj": (module.q_proj.weight, (H * K, hidden)), "conv1d": (module.conv1d.weight, (3 * H * K, 1, W)),
+                  "forget_gate.A_log": (fg.A_log, (1, 1, H, 1)), "forget_gate.dt_bias": (fg.dt_bias, (H * K,)),
+                  "o_norm": (module.o_norm.weight, (K,)), "b_proj": (module.b_proj.weight, (H, hidden))}
+        for name, (t, shape) in shapes.items():
+            if tuple(t.shape) != shape:
+                raise ValueError(f"`{name}` has shape {tuple(t.shape)}, expected {shape} for H={H}, K=V={K}, "
+                                 f"W={W}, hidden={hidden}.")
+        p = module.q_proj.weight
+        layer = cls(hidden, H, K, K, conv_width=W, norm_eps=module.o_norm.variance_epsilon,
+                    device=p.device, dtype=p.dtype)
+        f32 = torch.float32
+        with torch.no_grad():
+            for name in ("q_proj", "k_proj", "v_proj", "b_proj", "g_a_proj", "g_b_proj", "o_proj"):
+                getattr(layer, name).weight.copy_(getattr(module, name).weight)
+            layer.f_a_proj.weight.copy_(fg.f_a_proj.weight)
+            layer.f_b_proj.weight.copy_(fg.f_b_proj.weight)
+            layer.conv_weight.copy_(module.conv1d.weight.squeeze(1).to(f32))
+            layer.A_log.copy_(fg.A_log.reshape(H).to(f32))
+            layer.dt_bias.copy_(fg.dt_bias.to(f32))
+            layer.o_norm_weight.copy_(module.o_norm.weight.to(f32))
+        return layer
+
     # ------------------------------------------------------------------ tensor parallelism
     @classmethod
     def shard(cls, full: "KDALayer", tp_rank: int, tp_size: int) -> "KDALayer":

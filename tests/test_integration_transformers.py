@@ -1,0 +1,239 @@
+"""kdakit.integrations.transformers: transformers 5.17's Kimi Linear on kdakit's kernels.
+The reference is transformers' own PyTorch implementation of the four functions
+(``torch_fallback()``: its fallback loops, whatever it bound at import), never kdakit."""
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+kt = pytest.importorskip("kdakit.integrations.transformers")
+from kdakit.layer import KDALayer  # noqa: E402
+
+kl = kt.kimi_linear_module()
+
+
+@pytest.fixture(autouse=True)
+def restore():
+    saved = {name: getattr(kl, name) for name in kt.REPLACED}
+    yield
+    kt.disable()
+    for name, fn in saved.items():
+        setattr(kl, name, fn)
+
+
+@pytest.fixture(params=["reference", "triton"])
+def backend(request, monkeypatch):
+    monkeypatch.setenv("KDAKIT_BACKEND", request.param)
+    return request.param
+
+
+def left_padded(prompts, pad=0):
+    T = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), T), pad)
+    mask = torch.zeros(len(prompts), T, dtype=torch.long)
+    for n, p in enumerate(prompts):
+        ids[n, T - len(p):] = torch.tensor(p)
+        mask[n, T - len(p):] = 1
+    return ids, mask
+
+
+def generate(model, prompts, new_tokens):
+    ids, mask = left_padded(prompts)
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    return out.sequences[:, ids.shape[1]:].tolist(), torch.stack(out.logits, 1).float()
+
+
+def prompts_of(lengths, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 256, (n,), generator=g).tolist() for n in lengths]
+
+
+def test_enable_disable_rebinds_and_restores():
+    before = {name: getattr(kl, name) for name in kt.REPLACED}
+    kt.enable()
+    kt.enable()  # twice: still one saved set of originals
+    assert kt.is_enabled()
+    for name in kt.REPLACED:
+        assert getattr(kl, name) is getattr(kt, name)
+        assert kt.original(name) is before[name]
+    kt.disable()
+    assert not kt.is_enabled()
+    assert {name: getattr(kl, name) for name in kt.REPLACED} == before
+    with kt.enabled():
+        assert kl.causal_conv1d_fn is kt.causal_conv1d_fn
+    assert kl.causal_conv1d_fn is before["causal_conv1d_fn"]
+
+
+def test_refuses_what_it_cannot_patch(monkeypatch):
+    monkeypatch.setattr(kt, "_transformers_version", lambda: "5.18.0")
+    with pytest.raises(kt.IntegrationError, match="5.18.0"):
+        kt.enable()
+    assert not kt.is_enabled()
+    with pytest.warns(RuntimeWarning, match="5.18.0"):
+        kt.enable(allow_untested_version=True)
+    kt.disable()
+    monkeypatch.undo()
+    monkeypatch.delattr(kl, "recurrent_kimi_delta_attention")
+    with pytest.raises(kt.IntegrationError, match="recurrent_kimi_delta_attention"):
+        kt.enable()
+    assert not kt.is_enabled()
+
+
+def test_generate_float32_left_padded_matches_transformers():
+    """Prompts of 70 and 75 tokens (more than one 64-token chunk) and a short one, left padded
+    in one batch: same tokens as transformers' own implementation, logits within float32
+    rounding; each padded row gives its unpadded prompt's tokens."""
+    model = kt.tiny_model(seed=0)
+    prompts = prompts_of([70, 75, 9])
+    with kt.torch_fallback():
+        ref_tokens, ref_logits = generate(model, prompts, 6)
+    kt.enable()
+    tokens, logits = generate(model, prompts, 6)
+    assert tokens == ref_tokens
+    torch.testing.assert_close(logits, ref_logits, atol=2e-5, rtol=1e-4)
+    alone, _ = generate(model, prompts[2:], 6)
+    assert alone[0] == tokens[2]
+
+
+def test_generate_bf16_against_float32_transformers():
+    """A bf16 model on kdakit against the same weights in float32 on transformers' PyTorch
+    bodies (the function at higher precision; transformers' own bf16 path rounds its conv in
+    bf16 and strays further: up to ~1 logit here on the 66-token row). Tokens agree up to the
+    first step whose reference top-2 margin is within bf16 noise; logits up to there."""
+    prompts = prompts_of([66, 12], seed=2)
+    with kt.torch_fallback():
+        ref_tokens, ref_logits = generate(kt.tiny_model(seed=1), prompts, 5)
+    with kt.enabled():
+        tokens, logits = generate(kt.tiny_model(seed=1, dtype=torch.bfloat16), prompts, 5)
+    checked = 0
+    for n in range(len(prompts)):
+        for t in range(5):
+            torch.testing.assert_close(logits[n, t], ref_logits[n, t], atol=0.15, rtol=0.05)
+            top2 = ref_logits[n, t].topk(2).values
+            if float(top2[0] - top2[1]) < 0.15:
+                break  # a near-tie: the continuations may differ from here
+            assert tokens[n][t] == ref_tokens[n][t], f"row {n}, step {t}"
+            checked += 1
+    assert checked >= 4, "too few decisive steps to mean anything"
+
+
+def test_triton_interpreter_tiny(monkeypatch):
+    monkeypatch.setenv("KDAKIT_BACKEND", "triton")
+    # One KDA layer (and the MLA + MoE layer after it): the interpreter runs every program in Python.
+    model = kt.tiny_model(seed=2, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+                          mlp_layer_types=["dense", "sparse"])
+    prompts = prompts_of([5], seed=3)
+    with kt.torch_fallback():
+        ref_tokens, ref_logits = generate(model, prompts, 2)
+    with kt.enabled():
+        tokens, logits = generate(model, prompts, 2)
+    assert tokens == ref_tokens
+    torch.testing.assert_close(logits, ref_logits, atol=2e-5, rtol=1e-4)
+
+
+def test_enable_does_not_depend_on_what_transformers_bound():
+    """Whatever transformers bound (here: functions that fail, like fla's Triton kernels on a
+    machine without a GPU), enable() replaces it."""
+    def broken(*args, **kwargs):
+        raise RuntimeError("0 active drivers ([]). There should only be one.")
+    model = kt.tiny_model(seed=0)
+    prompts = prompts_of([10])
+    with kt.torch_fallback():
+        ref_tokens, _ = generate(model, prompts, 3)
+    for name in kt.REPLACED:
+        setattr(kl, name, broken)
+    with pytest.raises(RuntimeError, match="active drivers"):
+        generate(model, prompts, 1)
+    kt.enable()
+    assert generate(model, prompts, 3)[0] == ref_tokens
+
+
+SUBPROCESS = r"""
+import sys, torch
+if sys.argv[1] == "hide-fla":
+    sys.modules["fla"] = None  # import fla -> ImportError: transformers binds its PyTorch bodies
+import fla_probe
+"""
+
+
+@pytest.mark.parametrize("fla", ["hide-fla", "fla-if-installed"])
+def test_with_and_without_fla_importable(fla, tmp_path):
+    """A fresh interpreter: transformers binds fla's kernels when fla imports (fla-core 0.6.0 is
+    in the test extra), its PyTorch bodies when it does not; enable() runs the model either way
+    and gives the PyTorch bodies' tokens."""
+    (tmp_path / "fla_probe.py").write_text(r'''
+import importlib.util, inspect, torch
+from kdakit.integrations import transformers as kt
+kl = kt.kimi_linear_module()
+bound = kl.chunk_kimi_delta_attention
+torch_body = inspect.unwrap(bound)
+print("fla-bound" if bound is not torch_body and importlib.util.find_spec("fla") and
+      "fla" in str(getattr(bound, "__closure__", "")) else "torch-bound")
+model = kt.tiny_model(seed=0)
+ids = torch.tensor([[5, 9, 17, 33, 65, 129, 3]])
+with kt.torch_fallback(), torch.no_grad():
+    ref = model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
+kt.enable()
+with torch.no_grad():
+    out = model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
+print("match" if torch.equal(out, ref) else "mismatch")
+''')
+    env_path = f"{tmp_path}:{':'.join(sys.path)}"
+    proc = subprocess.run([sys.executable, "-c", SUBPROCESS, fla], capture_output=True, text=True, timeout=120,
+                          env={"PYTHONPATH": env_path, "PATH": "/usr/bin:/bin", "KDAKIT_BACKEND": "reference"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.split()
+    assert lines[-1] == "match"
+    if fla == "hide-fla":
+        assert lines[-2] == "torch-bound"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_from_transformers_matches_the_layer(dtype):
+    """KDALayer.from_transformers on a StatePool: a 70-token prefill (chunked) and 3 decode
+    steps give the transformers layer's outputs (its PyTorch bodies, its DynamicCache)."""
+    from transformers import DynamicCache
+    from kdakit.state_pool import StatePool
+    model = kt.tiny_model(seed=4, dtype=dtype)
+    attn = model.model.layers[0].self_attn
+    layer = KDALayer.from_transformers(attn)
+    assert layer.q_proj.weight.dtype == dtype and layer.conv_weight.dtype == torch.float32
+    pool = StatePool(1, 2, num_heads=layer.H, head_k_dim=layer.K, head_v_dim=layer.V, conv_width=layer.conv_width,
+                     act_dtype=dtype)
+    layer.attach(pool, 0)
+    slot = pool.alloc()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 73, model.config.hidden_size, generator=g).to(dtype)
+    cache = DynamicCache(config=model.config)
+    with kt.torch_fallback(), torch.no_grad():
+        ref_prefill = attn(x[:, :70], cache_params=cache)
+        ref_steps = [attn(x[:, t:t + 1], cache_params=cache) for t in range(70, 73)]
+    with torch.no_grad():
+        ours_prefill = layer.prefill(x[0, :70], slot)
+        ours_steps = [layer.decode(x[:, t], [slot]) for t in range(70, 73)]
+    tol = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(ours_prefill.float(), ref_prefill[0].float(), **tol)
+    for ours, ref in zip(ours_steps, ref_steps):
+        torch.testing.assert_close(ours.float(), ref[:, 0].float(), **tol)
+    # The recurrent state agrees too (kdakit's pool is V-major, transformers' K-major).
+    torch.testing.assert_close(pool.state[0, slot].transpose(-1, -2), cache.layers[0].recurrent_states[0][0],
+                               **(dict(atol=1e-4, rtol=1e-3) if dtype == torch.float32 else tol))
+
+
+def test_from_transformers_refuses_other_modules():
+    with pytest.raises(ValueError, match="KimiLinearDeltaAttention"):
+        KDALayer.from_transformers(torch.nn.Linear(4, 4))
+
+
+def test_packed_sequences_refused():
+    kt.enable()
+    x = torch.randn(1, 8, 5)
+    with pytest.raises(ValueError, match="packed sequences"):
+        kl.causal_conv1d_fn(x, torch.randn(8, 4), activation="silu", seq_idx=torch.zeros(1, 5, dtype=torch.int32))
+    with pytest.raises(ValueError, match="activation"):
+        kl.causal_conv1d_fn(x, torch.randn(8, 4), activation="gelu")
