@@ -57,12 +57,12 @@ def _gate_params(A_log, dt_bias, HV, K):
         if A_log.numel() != HV:
             raise ValueError(f"`A_log` must have HV={HV} elements, one per value head, in any shape "
                              f"(got shape {tuple(A_log.shape)}).")
-        A_log = A_log.reshape(HV)
+        A_log = A_log.reshape(HV).contiguous()
     if dt_bias is not None:
         if dt_bias.numel() != HV * K:
             raise ValueError(f"`dt_bias` must have HV*K={HV * K} elements ([HV*K] or [HV, K]) "
                              f"(got shape {tuple(dt_bias.shape)}).")
-        dt_bias = dt_bias.reshape(HV * K)
+        dt_bias = dt_bias.reshape(HV * K).contiguous()
     return A_log, dt_bias
 
 
