@@ -1,4 +1,6 @@
-"""sglang's KDA kernel functions, same names, keywords, defaults, returns and error texts."""
+"""sglang 0.5.23's KDA kernel functions: same names, parameters (positional order, keywords,
+defaults), returns and error texts. A parameter sglang has and kdakit does not implement is
+accepted only where ignoring it cannot change the result; otherwise it raises ValueError."""
 from __future__ import annotations
 
 import torch
@@ -143,9 +145,10 @@ def causal_conv1d_fn(x, weight, bias, conv_states, query_start_loc, seq_lens_cpu
     (None: sequence n uses slot n), ``has_initial_state [N]`` (None: every sequence starts from
     zeros, as in sglang), ``activation`` "silu"/"swish"/True or None. A sequence whose cache index
     is ``pad_slot_id`` is padding: no window is read or written for it (its outputs are computed
-    from zeros, where sglang leaves them unwritten). ``seq_lens_cpu`` (sglang's launch grid),
-    ``validate_data`` and other keywords (``metadata``) are accepted and unused: kdakit checks its
-    inputs on every call and needs no lengths on the host.
+    from zeros, where sglang leaves them unwritten). ``seq_lens_cpu`` (sglang sizes its launch
+    grid from it; it must agree with ``query_start_loc``, which kdakit reads on the device
+    instead), ``validate_data`` and other keywords (``metadata``) are accepted and unused:
+    kdakit checks its inputs' shapes on every call.
 
     ``block_table`` (sglang's CUDA-graph launch plan of (sequence, token block) rows, which
     decides the blocks that are computed) is not supported: passing one raises ValueError.
