@@ -259,7 +259,7 @@ def test_signature_is_sglangs():
                 ("initial_state", None), ("initial_state_indices", None), ("use_qk_l2norm_in_kernel", False),
                 ("cu_seqlens", None), ("A_log", None), ("dt_bias", None), ("lower_bound", None),
                 ("output_intermediate_states", False), ("track_state", None), ("track_chunk_idx", None),
-                ("beta_is_raw", False)]
+                ("beta_is_raw", False), ("chunk_indices", None), ("chunk_offsets", None)]
     got = [(n, p.default) for n, p in params.items() if p.kind != inspect.Parameter.VAR_KEYWORD]
     assert got == expected
     assert list(params.values())[-1].kind == inspect.Parameter.VAR_KEYWORD

@@ -383,18 +383,25 @@ def test_sglang_causal_conv1d_fn(backend, monkeypatch):
     # sglang's defaults: no has_initial_state -> every sequence starts from zeros; bf16 weights are cast.
     pool = expected_pool.clone()
     got = causal_conv1d_fn(x_cf, t["weight"].bfloat16(), None, query_start_loc=t["cu_seqlens"],
-                           cache_indices=t["slot_indices"], conv_states=pool, activation=True)
+                           cache_indices=t["slot_indices"], conv_states=pool, activation=True, seq_lens_cpu=None)
     zeros_pool = expected_pool.clone()
     ref = causal_conv1d_varlen(t["x"], zeros_pool, t["weight"].bfloat16().float(), t["cu_seqlens"], t["slot_indices"],
                                has_initial_state=torch.zeros(len(MIXED), dtype=torch.bool))
     assert torch.equal(got.t(), ref) and torch.equal(bits(pool), bits(zeros_pool))
-    # No pool, no activation: one sequence from zeros.
-    got = causal_conv1d_fn(x_cf, t["weight"], t["bias"], activation=None)
+    # No pool, no activation: one sequence from zeros; sglang's Triton positional order
+    # (x, weight, bias, conv_states, query_start_loc, seq_lens_cpu, cache_indices, ...).
+    T = x_cf.shape[1]
+    got = causal_conv1d_fn(x_cf, t["weight"], t["bias"], None, torch.tensor([0, T], dtype=torch.int32), [T],
+                           None, None, None)
     ref = causal_conv1d_varlen(t["x"], torch.zeros(1, C, W - 1, dtype=BF16), t["weight"],
                                torch.tensor([0, x_cf.shape[1]]), torch.tensor([-1]), bias=t["bias"], activation=None)
     assert torch.equal(got.t(), ref)
     with pytest.raises(NotImplementedError, match="activation must be None, silu, or swish"):
-        causal_conv1d_fn(x_cf, t["weight"], activation="gelu")
+        causal_conv1d_fn(x_cf, t["weight"], None, None, None, None, activation="gelu")
+    # sglang's CUDA-graph launch plan decides which blocks run: refused, never ignored.
+    with pytest.raises(ValueError, match="does not support `block_table`"):
+        causal_conv1d_fn(x_cf, t["weight"], t["bias"], t["conv_state"], t["cu_seqlens"], None,
+                         block_table=torch.zeros(4, 2, dtype=torch.int32))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -7,6 +7,12 @@ the V-major ``[N, HV, V, K]`` pool of sglang and kdakit. kdakit's kernel address
 state through four strides, so a K-major pool is passed as a transposed *view* (no copy,
 no transpose kernel around the call); states we allocate use the caller's layout.
 
+With the gate in kernel, ``A_log`` may have any shape of ``HV`` elements (fla's tests pass
+``[1, 1, HV, 1]``) and ``dt_bias`` any shape of ``HV*K`` elements (``[HV*K]``, ``[HV, K]``), as
+fla reads them; a wrong element count raises ``ValueError`` (fla reads out of bounds). Head
+dims up to 256 (any size, powers of two or not) and log-decays of -1000 (masked channels) are
+supported; a head dim past 256 raises ``ValueError``.
+
 Where we differ from fla 0.6.0 (each a place where fla drops or corrupts data):
 - ``fused_recurrent_kda`` honours ``ssm_state_indices``, ``num_accepted_tokens`` and
   ``out`` passed through ``**kwargs`` (fla 0.6.0 silently drops them). With
@@ -41,6 +47,23 @@ def identity_slots(device: torch.device, count: int) -> torch.Tensor:
     ``buffers.kept_buffer``: no arange kernel on every call."""
     return kept_buffer("identity slots", device, count,
                        lambda size: torch.arange(size, device=device, dtype=torch.int32))[:count]
+
+
+def _gate_params(A_log, dt_bias, HV, K):
+    """fla reads ``A_log`` as ``HV`` values and ``dt_bias`` as ``HV*K`` values whatever their
+    shape (``[HV]``, ``[1, 1, HV, 1]``, ``[HV, K]``, ...): flattened here to the ``[HV]`` /
+    ``[HV*K]`` the kernel takes (a view when contiguous). A wrong element count raises."""
+    if A_log is not None:
+        if A_log.numel() != HV:
+            raise ValueError(f"`A_log` must have HV={HV} elements, one per value head, in any shape "
+                             f"(got shape {tuple(A_log.shape)}).")
+        A_log = A_log.reshape(HV).contiguous()
+    if dt_bias is not None:
+        if dt_bias.numel() != HV * K:
+            raise ValueError(f"`dt_bias` must have HV*K={HV * K} elements ([HV*K] or [HV, K]) "
+                             f"(got shape {tuple(dt_bias.shape)}).")
+        dt_bias = dt_bias.reshape(HV * K).contiguous()
+    return A_log, dt_bias
 
 
 def _v_major(t, state_v_first):
@@ -112,6 +135,7 @@ def fused_recurrent_kda_fwd(
     # The gate, as fla computes it: A_log None means exp(A) -> 1 in the safe gate and
     # A -> 1 in the default gate (fla's kernel uses 1.0 for both).
     if use_gate_in_kernel:
+        A_log, dt_bias = _gate_params(A_log, dt_bias, HV, K)
         if A_log is None:
             A_log = torch.full((HV,), 0.0 if lower_bound is not None else 1.0, device=q.device, dtype=torch.float32)
         if dt_bias is None:
@@ -322,6 +346,7 @@ def chunk_kda(
         v_flat, out_flat = v, out
     N = cu_seqlens.numel() - 1
     if use_gate_in_kernel:
+        A_log, dt_bias = _gate_params(A_log, dt_bias, HV, K)
         if A_log is None:  # the safe gate without A: exp(A) is 1
             A_log = torch.zeros(HV, device=q.device, dtype=torch.float32)
         if dt_bias is None:

@@ -1,4 +1,6 @@
-"""sglang's KDA kernel functions, same names, keywords, defaults, returns and error texts."""
+"""sglang 0.5.23's KDA kernel functions: same names, parameters (positional order, keywords,
+defaults), returns and error texts. A parameter sglang has and kdakit does not implement is
+accepted only where ignoring it cannot change the result; otherwise it raises ValueError."""
 from __future__ import annotations
 
 import torch
@@ -131,25 +133,34 @@ commit_kda_replayssm_spec_all_layers = commit_kda_replayssm_spec
 PAD_SLOT_ID = -1
 
 
-def causal_conv1d_fn(x, weight, bias=None, query_start_loc=None, cache_indices=None, has_initial_state=None,
-                     conv_states=None, activation="silu", pad_slot_id=PAD_SLOT_ID, **kwargs):
-    """sglang's varlen ``causal_conv1d_fn`` (the public one of its ``mamba/causal_conv1d.py``: the same
-    keywords and defaults; the positional order of x, weight, bias agrees with its Triton version too).
+def causal_conv1d_fn(x, weight, bias, conv_states, query_start_loc, seq_lens_cpu, cache_indices=None,
+                     has_initial_state=None, activation="silu", pad_slot_id=PAD_SLOT_ID, validate_data=False,
+                     block_table=None, **kwargs):
+    """sglang's Triton varlen ``causal_conv1d_fn`` (``sglang/kernels/ops/mamba/causal_conv1d_triton.py``,
+    the one its KDA backend calls): the same parameters in the same order, with the same defaults.
 
     ``x [dim, cu_seq_len]`` channels first (the transposed view of a ``[T, dim]`` projection works),
-    ``weight [dim, W]``, ``bias [dim]``, ``query_start_loc [N+1]`` (None: one sequence),
-    ``cache_indices [N]`` (None: sequence n uses slot n), ``has_initial_state [N]`` (None: every
-    sequence starts from zeros, as in sglang), ``conv_states [slots, dim, W-1]`` updated in place
-    (None: no windows), ``activation`` "silu"/"swish"/True or None. A sequence whose cache index is
-    ``pad_slot_id`` is padding: no window is read or written for it (its outputs are computed from
-    zeros, where sglang leaves them unwritten). Other keywords (``seq_lens_cpu``, ``metadata``,
-    ``validate_data``) are accepted and unused: nothing here needs the lengths on the host.
+    ``weight [dim, W]``, ``bias [dim]`` or None, ``conv_states [slots, dim, W-1]`` updated in place
+    (None: no windows), ``query_start_loc [N+1]`` (None: one sequence), ``cache_indices [N]``
+    (None: sequence n uses slot n), ``has_initial_state [N]`` (None: every sequence starts from
+    zeros, as in sglang), ``activation`` "silu"/"swish"/True or None. A sequence whose cache index
+    is ``pad_slot_id`` is padding: no window is read or written for it (its outputs are computed
+    from zeros, where sglang leaves them unwritten). ``seq_lens_cpu`` (sglang sizes its launch
+    grid from it; it must agree with ``query_start_loc``, which kdakit reads on the device
+    instead), ``validate_data`` and other keywords (``metadata``) are accepted and unused:
+    kdakit checks its inputs' shapes on every call.
+
+    ``block_table`` (sglang's CUDA-graph launch plan of (sequence, token block) rows, which
+    decides the blocks that are computed) is not supported: passing one raises ValueError.
 
     Returns a new ``[dim, cu_seq_len]`` tensor laid out like x, as sglang's Triton path does; x
-    itself is not modified (sglang's CUDA path writes x in place and returns it: use the return
-    value, as sglang's callers do). Weights and bias of another dtype are cast to float32.
+    itself is not modified. Weights and bias of another dtype are cast to float32.
     """
-    del kwargs
+    if block_table is not None:
+        raise ValueError("kdakit's causal_conv1d_fn does not support `block_table` (sglang's CUDA-graph launch "
+                         "plan); pass block_table=None: kdakit plans its blocks on the device from "
+                         "query_start_loc, so its calls can be captured without one.")
+    del seq_lens_cpu, validate_data, kwargs
     if activation is True:
         activation = "silu"
     elif activation is False:

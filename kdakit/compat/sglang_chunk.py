@@ -84,13 +84,23 @@ def chunk_kda(
     track_state: torch.Tensor | None = None,
     track_chunk_idx: torch.Tensor | None = None,
     beta_is_raw: bool = False,
+    chunk_indices: torch.Tensor | None = None,
+    chunk_offsets: torch.Tensor | None = None,
     **kwargs,
 ):
     """sglang's KDA extend: ``q, k [1, T, H, K]`` (or ``[B, T, ..]`` without ``cu_seqlens``),
     ``v [.., HV, V]``, ``g [.., HV, K]``, ``beta [.., HV]``; the pool ``initial_state
     [slots, HV, V, K]`` updated in place at ``initial_state_indices`` (see the module doc).
-    Other keywords are accepted and ignored, as sglang does."""
+    ``chunk_indices`` / ``chunk_offsets`` (sglang's chunk plan, which a CUDA-graph caller pads)
+    are accepted and unused: kdakit plans its chunks on the device from ``cu_seqlens``. With
+    ``output_intermediate_states`` they raise ValueError, as ``h``'s row count would follow the
+    given (possibly padded) plan in sglang. Other keywords are accepted and ignored, as sglang
+    does."""
     del kwargs
+    if output_intermediate_states and (chunk_indices is not None or chunk_offsets is not None):
+        raise ValueError("kdakit's chunk_kda does not take `chunk_indices`/`chunk_offsets` with "
+                         "output_intermediate_states=True: h has one row per 64-token chunk of cu_seqlens "
+                         "(sum of ceil(len/64)); pass them as None.")
     if initial_state is None or initial_state_indices is None:
         raise ValueError("chunk_kda requires initial_state and initial_state_indices")
     if (track_state is None) != (track_chunk_idx is None):

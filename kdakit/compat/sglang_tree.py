@@ -16,7 +16,9 @@ same names, keyword names and defaults, returns.
   chain when it is None.
 
 Modes kdakit does not implement raise a ValueError that says so (plain decode and
-prefill have their own kdakit entries). A padding row (slot < 0) gives zeros, as kdakit's
+prefill have their own kdakit entries; ``match_cutedsl_decode=True``, sglang's bit-parity
+decode). ``causal_conv1d_update``'s ``metadata`` and ``validate_data`` are accepted and
+unused, as in sglang's Triton version. A padding row (slot < 0) gives zeros, as kdakit's
 contract says, where sglang's kernels compute it from a zero state.
 """
 from __future__ import annotations
@@ -75,7 +77,7 @@ def _tree_conv_reference(x, conv_state, weight, bias, intermediate, slots, rows,
 def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, cache_seqlens=None,
                          conv_state_indices=None, num_accept_tokens=None, intermediate_conv_window=None,
                          intermediate_state_indices=None, retrieve_next_token=None, retrieve_next_sibling=None,
-                         retrieve_parent_token=None, pad_slot_id=PAD_SLOT_ID, validate_data=False):
+                         retrieve_parent_token=None, pad_slot_id=PAD_SLOT_ID, metadata=None, validate_data=False):
     """``x [batch, dim, seqlen]`` (or ``[batch, dim]``); returns the post-conv values shaped
     like ``x``. Tree target verify when ``retrieve_next_token`` is given (a chain of
     ``seqlen`` nodes with ``intermediate_conv_window`` and no links); one token otherwise."""
@@ -144,13 +146,16 @@ def fused_sigmoid_gating_delta_rule_update(A_log, a, dt_bias, softplus_beta, sof
                                            intermediate_states_buffer=None, intermediate_state_indices=None,
                                            cache_steps=None, retrieve_parent_token=None, cache_ring=False,
                                            replayssm_rawv=None, replayssm_rawk=None, replayssm_g=None,
-                                           replayssm_beta=None, num_warps=1):
+                                           replayssm_beta=None, match_cutedsl_decode=False):
     """KDA tree (or chain) target verify: ``q, k [B, T, H, K]``, ``v [B, T, HV, V]`` post-conv
     (``B = 1`` with ``cu_seqlens`` of equal-length requests), ``a`` raw gate ``[.., HV*K]``,
     ``b [.., HV]``, state pool ``[slots, HV, V, K]`` (read only), node ``t``'s post-state to
     ``intermediate_states_buffer[intermediate_state_indices[n], t]``. Returns ``o`` shaped
     like ``v`` in ``q``'s dtype."""
-    del cache_steps, num_warps  # the buffer's own shape gives the step stride; launch config is kdakit's
+    del cache_steps  # the buffer's own shape gives the step stride
+    if match_cutedsl_decode:
+        raise ValueError("kdakit does not support `match_cutedsl_decode=True` (sglang's bit-parity decode with "
+                         "FlashInfer's CuTe DSL kernel); kdakit's drop-in covers target verify only.")
     if not is_kda:
         raise ValueError("kdakit implements the KDA form only (is_kda=True); gated delta net heads are not supported.")
     if not use_qk_l2norm_in_kernel:
