@@ -1,8 +1,8 @@
 """benchmarks/results/ holds exactly the result files the documentation cites.
 
-The citing documents are README.md, docs/*.md and benchmarks/NOTES.md. A citation is either a
+The citing documents are README.md and docs/*.md. A citation is either a
 path under benchmarks/results/ (a link target such as ``../benchmarks/results/foo_h200.json``, or
-``results/foo.json`` as NOTES.md writes it) or a bare file name such as ``foo_h200.json``.
+``results/foo.json``) or a bare file name such as ``foo_h200.json``.
 A bare name counts as a result-file citation when it names a file in the folder, or when it
 looks like one (a ``_h100`` / ``_h200`` tag in its stem, ``.json``/``.log``/``.png``/``.txt``):
 other file names the docs mention (``pyproject.toml``, ``kdakit_bench.json`` written by
@@ -19,7 +19,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 
 # a file name: word characters, dots and dashes, with one of the result extensions
 NAME = r"[\w.-]+\.(?:json|log|png|txt|md)"
-# a path that goes through benchmarks/results/ (or results/, as benchmarks/NOTES.md writes it)
+# a path that goes through benchmarks/results/ (or results/)
 RESULT_PATH = re.compile(r"(?:^|[\s(`'\"/\[])(?:benchmarks/)?results/(" + NAME + r")")
 BARE_NAME = re.compile(r"(?<![\w./*-])(" + NAME + r")(?![\w-])")
 # what an uncommitted-but-cited result name looks like: a GPU tag in the stem
@@ -27,7 +27,7 @@ GPU_TAG = re.compile(r"_h(?:100|200)(?:_[\w-]+)?\.(?:json|log|png|txt)$|_h(?:100
 
 
 def citing_documents() -> list[Path]:
-    docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "benchmarks" / "NOTES.md"]
+    docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
     return [p for p in docs if p.is_file()]
 
 
@@ -73,5 +73,5 @@ def test_every_cited_result_file_exists():
 def test_every_result_file_is_cited():
     cited = set(citations())
     uncited = sorted(result_files() - cited)
-    assert not uncited, (f"in benchmarks/results/ but cited nowhere in README.md, docs/*.md or "
-                         f"benchmarks/NOTES.md (git rm them, or cite them): {uncited}")
+    assert not uncited, (f"in benchmarks/results/ but cited nowhere in README.md or docs/*.md "
+                         f"(git rm them, or cite them): {uncited}")
