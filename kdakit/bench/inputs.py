@@ -83,12 +83,16 @@ def fused_decode_inputs(N, H, HV, K, V, *, W=4, state_dtype=torch.float32, act_d
 
 
 def varlen_inputs(seqlens, H, HV, K, V, *, state_dtype=torch.float32, act_dtype=torch.bfloat16, slots=None,
-                  steep=False, seed=0, device="cuda") -> dict:
+                  steep=False, long_memory=False, seed=0, device="cuda") -> dict:
     """Sequences of ``seqlens`` tokens flattened to ``[1, T, ...]`` (the recurrent forward's
     and the chunked prefill's inputs): ``q``, ``k``, ``v``, raw gate ``g``, beta logit
     ``beta``, ``A_log``, ``dt_bias``, a V-major ``state`` pool (``slots``, default ``2 N + 2``),
     ``idx``, ``cu`` (the offsets) and ``out [1, T, HV, V]``. ``steep``: the first K/8
-    channels decay by about e^-20 a token (softplus(x) ~ x for the raw gate 6 + 2|x|)."""
+    channels decay by about e^-20 a token (softplus(x) ~ x for the raw gate 6 + 2|x|).
+    ``long_memory``: Kimi Linear's gate initialisation instead (``A_log = log U(1, 16)``,
+    ``dt_bias`` the inverse softplus of ``U(0.001, 0.1)``, raw gate ``0.5 N(0, 1)``): log-decays
+    of about -0.002 to -0.5 a token, so the state carries over thousands of tokens and the
+    chunk-to-chunk chain decides the result (the default draws forget within a few tokens)."""
     rnd, uniform, perm = _rng(seed, device)
     N = len(seqlens)
     cu = torch.zeros(N + 1, dtype=torch.int32)
@@ -100,6 +104,11 @@ def varlen_inputs(seqlens, H, HV, K, V, *, state_dtype=torch.float32, act_dtype=
     dt_bias = rnd(HV * K) * 0.5
     if steep:
         g[..., : K // 8] = 6.0 + 2.0 * g[..., : K // 8].abs()
+    if long_memory:
+        A_log = torch.log(1 + 15 * uniform(HV))
+        dt = 0.001 + 0.099 * uniform(HV * K)
+        dt_bias = dt + torch.log(-torch.expm1(-dt))  # softplus(dt_bias) = dt
+        g = 0.5 * g
     return {
         "q": rnd(1, T, H, K).to(act_dtype), "k": rnd(1, T, H, K).to(act_dtype),
         "v": rnd(1, T, HV, V).to(act_dtype), "g": g.to(act_dtype), "beta": rnd(1, T, HV).to(act_dtype),
