@@ -1,0 +1,1 @@
+"""Engine integrations: kdakit's kernels installed into a serving engine without editing it."""
