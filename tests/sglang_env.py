@@ -95,6 +95,9 @@ class _InertFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 def sglang_root() -> str | None:
     """The installed ``sglang/`` folder, without running its ``__init__``."""
+    loaded = sys.modules.get("sglang")
+    if loaded is not None and getattr(loaded, "__path__", None):
+        return list(loaded.__path__)[0]
     try:
         spec = importlib.util.find_spec("sglang")
     except (ImportError, ValueError):

@@ -507,6 +507,47 @@ def test_target_verify_call_site(dispatcher, backend, shape):
         "snapshot rows outside the batch's were written"
 
 
+@pytest.mark.parametrize("site", ["decode", "chain", "tree8"])
+def test_agrees_with_sglangs_own_triton_kernel(sg, dispatcher, site):
+    """The same call, on sglang's original Triton kernel (its fused_sigmoid_gating_delta_rule_update
+    in Triton's interpreter) and on kdakit's: outputs of live rows, pools, snapshots. (sglang's
+    packed decode and chunked extend kernels do not run in the interpreter.)"""
+    gen = torch.Generator().manual_seed(7)
+    pool = make_pool(gen)
+    sglang_kernel = sg["held"]["original"]()
+    if site == "decode":
+        Bn, live = 4, [3, 8, 1]
+        qkv, q, k, v = conv_output(gen, Bn)
+        A_log, dt_bias = params(gen)
+        args = dict(q=q, k=k, v=v, a=gate_slice(gen, Bn), b=torch.randn(1, Bn, HV, generator=gen), A_log=A_log,
+                    dt_bias=dt_bias, ssm_states=pool, cache_indices=torch.tensor(live + [-1], dtype=torch.int32),
+                    query_start_loc=torch.arange(Bn + 1, dtype=torch.int32), lower_bound=LOWER_BOUND)
+        rows = torch.arange(len(live))
+    else:
+        draft, bs = (8, 3) if site == "tree8" else (4, 3)
+        T = bs * draft
+        qkv, q, k, v = conv_output(gen, T)
+        A_log, dt_bias = params(gen)
+        args = dict(A_log=A_log, dt_bias=dt_bias, q=q, k=k, v=v, a=gate_slice(gen, T),
+                    b=torch.randn(1, T, HV, generator=gen), ssm_states=pool,
+                    cache_indices=torch.tensor([6, 3, -1], dtype=torch.int32),
+                    query_start_loc=torch.arange(0, T + 1, draft, dtype=torch.int32),
+                    intermediate_states_buffer=torch.zeros(pool.shape[0], draft, HV, V, K),
+                    intermediate_state_indices=torch.arange(pool.shape[0], dtype=torch.int32), cache_steps=draft,
+                    retrieve_parent_token=torch.tensor([TREE8] * bs, dtype=torch.int32) if site == "tree8" else None,
+                    lower_bound=None)
+        rows = torch.arange(2 * draft)
+    theirs_args = {n: (t.clone() if n in ("ssm_states", "intermediate_states_buffer") else t) for n, t in args.items()}
+    method = "decode" if site == "decode" else "target_verify"
+    ours = getattr(dispatcher, method)(**args)
+    theirs = getattr(sglang_kernel, method)(**theirs_args)
+    check(ours[0, rows], theirs[0, rows], 1e-5, "output")
+    check(args["ssm_states"].nan_to_num(), theirs_args["ssm_states"].nan_to_num(), 1e-5, "pool")
+    if site != "decode":
+        check(args["intermediate_states_buffer"][:2], theirs_args["intermediate_states_buffer"][:2], 1e-5,
+              "snapshots")
+
+
 # ---------------------------------------------------------------------------------------------
 # What kdakit does not cover runs sglang's kernel, visibly
 # ---------------------------------------------------------------------------------------------
@@ -619,3 +660,38 @@ def test_rocm_torch_refuses(monkeypatch):
     monkeypatch.setattr(integ, "installed_sglang_version", lambda: "0.5.23")
     monkeypatch.setattr(torch.version, "hip", "6.2")
     assert "ROCm" in integ.refusal_reason()
+
+
+# ---------------------------------------------------------------------------------------------
+# benchmarks/gpu_sglang_plugin_check.py on the CPU: its peer of sglang's kernels, its checks
+# ---------------------------------------------------------------------------------------------
+def test_gpu_check_script_peer_runs_its_checks_on_cpu(sg, tmp_path):
+    """The script's --build-peer layout from the wheel's kernel folders (zipped here from the
+    installed package, as the wheel holds them), then its --cpu-interpret checks in a fresh
+    process: the peer's stand-in package imports and its argument patterns run."""
+    import subprocess
+    import sys
+    import zipfile
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+    sys.path.insert(0, bench)
+    try:
+        import gpu_sglang_plugin_check as script
+    finally:
+        sys.path.remove(bench)
+    site = os.path.dirname(sglang_env.sglang_root())
+    wheel = tmp_path / "sglang-0.5.23-kernels.zip"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        for folder in script.PEER_FOLDERS:
+            for root, _, files in os.walk(os.path.join(site, folder)):
+                for f in files:
+                    if f.endswith(".py"):
+                        path = os.path.join(root, f)
+                        zf.write(path, os.path.relpath(path, site))
+    peer = script.build_peer(str(tmp_path / "peer"), str(wheel))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([peer, os.path.dirname(bench)]), "TRITON_INTERPRET": "1",
+           "KDAKIT_BACKEND": "triton"}
+    run = subprocess.run([sys.executable, os.path.join(bench, "gpu_sglang_plugin_check.py"), "--cpu-interpret"],
+                         env=env, capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
+    assert run.returncode == 0, run.stdout + run.stderr
+    for case in ("decode N=3", "target_verify chain4 N=3", "target_verify tree8 N=3"):
+        assert f"ok   {case}:" in run.stdout, run.stdout
