@@ -24,6 +24,9 @@ What runs where (the first instance logs the same table):
   (``cache_ring``) and ragged verify layouts (DSpARK / DFLASH ``qo_indptr``) run sglang's kernel.
 - The fused chain verify that bypasses the kernel object (``SGLANG_OPT_FUSED_KDA_VERIFY=1``) is
   turned off by ``supports_fused_chain_verify = False``, so every verify reaches kdakit.
+- Never through the kernel object, so sglang's own either way (``OUTSIDE_KERNEL``): the short
+  convs, Kimi K3's fused decode, the DSpARK CuTe verify on SM10x, and any phase given another
+  ``--linear-attn-*-backend`` (their Triton fallbacks do become kdakit's).
 
 ``KDAKIT_SGLANG_PHASES`` (comma-separated ``decode``, ``extend``, ``verify``; default all)
 keeps the other phases on sglang's kernel. The plugin refuses (a warning, sglang's kernels left
@@ -71,6 +74,10 @@ ON_SGLANG = {
     "verify": ("target_verify with ReplaySSM rings (cache_ring, --enable-linear-replayssm-spec)",
                "target_verify of ragged layouts (DSpARK / DFLASH qo_indptr)"),
 }
+
+OUTSIDE_KERNEL = ("the short convs", "Kimi K3's fused decode (kda_fused_decode, when the model hands it the norm gate)",
+                  "the DSpARK CuTe verify (nv_cutedsl on SM10x)",
+                  "phases given another --linear-attn-*-backend (flashinfer, cutedsl, helion, ...)")
 
 # True while sglang's KDA backend runs a ragged verify batch (set by the VERIFY_TARGET hook).
 _ragged_verify = contextvars.ContextVar("kdakit_sglang_ragged_verify", default=False)
@@ -121,7 +128,8 @@ def routing_table(phases) -> str:
     on_kdakit = [line for p in phases for line in ON_KDAKIT[p]]
     on_sglang = [line for p in ALL_PHASES for line in (ON_SGLANG[p] if p in phases else (f"all of {p}",))]
     return ("kdakit runs sglang's KDA kernel calls: " + "; ".join(on_kdakit or ["none"])
-            + ". sglang's own Triton kernel runs: " + "; ".join(on_sglang or ["nothing"]) + ".")
+            + ". sglang's own Triton kernel runs: " + "; ".join(on_sglang or ["nothing"])
+            + ". sglang's own code, which never calls the kernel object: " + "; ".join(OUTSIDE_KERNEL) + ".")
 
 
 def _fallback(reason: str) -> None:
