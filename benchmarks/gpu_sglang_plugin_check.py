@@ -180,12 +180,11 @@ def build_peer(dest: str, wheel: str | None = None) -> str:
             if not members:
                 raise ValueError(f"{wheel} holds none of {PEER_FOLDERS}")
             zf.extractall(dest, members)
-    for rel, text in STANDIN.items():
+    for rel, text in STANDIN.items():  # over any older stand-in: the linear kernels need more helpers
         path = os.path.join(dest, rel)
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        if not os.path.exists(path):
-            with open(path, "w") as f:
-                f.write(text)
+        with open(path, "w") as f:
+            f.write(text)
     for folder in ("sglang/kernels/ops/attention/fla", "sglang/kernels/ops/mamba"):
         init = os.path.join(dest, folder, "__init__.py")
         if not os.path.exists(init):
@@ -309,6 +308,8 @@ def extend_case(seqlens, seed, *, graph):
     args = dict(q=q, k=k, v=v, g=a, beta=b, ssm_states=pool, cache_indices=idx, query_start_loc=cu, A_log=A_log,
                 dt_bias=dt_bias, lower_bound=None)
     if graph:
+        # kda_prefill_graph.py flags a 4-D gate's beta as activated (beta_is_raw=False): give it β.
+        args["beta"] = torch.sigmoid(b.float()).to(b.dtype)
         track = torch.zeros(max_seqs, HV, V, K, device=DEVICE)
         chunk_idx = torch.tensor([n // 64 - 1 if n >= 128 else -1 for n in seqlens] + [-1] * (max_seqs - N),
                                  dtype=torch.int32, device=DEVICE)
