@@ -326,6 +326,9 @@ def extend_reference(q, k, v, a, b, A_log, dt_bias, init, slots, seqlens, *, bet
     start = 0
     for s, n in zip(slots, seqlens):
         S0 = init[s] if s >= 0 else torch.zeros(HV, V, K)
+        if n == 0:
+            per_seq.append((None, S0.double()))
+            continue
         o, st = steps64(q[0, start:start + n], k[0, start:start + n], v[0, start:start + n], a[0, start:start + n],
                         b[0, start:start + n], A_log, dt_bias, S0, lower_bound=lower_bound, beta_is_raw=beta_is_raw)
         out[start:start + n] = o
@@ -344,8 +347,8 @@ def test_extend_eager_call_site(dispatcher, monkeypatch, backend_name, tracked, 
     monkeypatch.setenv("KDAKIT_BACKEND", backend_name)
     gen = torch.Generator().manual_seed(3)
     pool = make_pool(gen)
-    seqlens = [70, 5, 130]                     # crosses 64-token chunk boundaries
-    slots = [4, 6, 2]
+    seqlens = [70, 5, 130, 0]                  # crosses 64-token chunk boundaries; an empty padding row
+    slots = [4, 6, 2, 0]                       # eager padding: sglang's reserved slot 0
     pool[6] = 0.0                              # a fresh request: sglang zeroes its slot first
     T = sum(seqlens)
     qkv, q, k, v = conv_output(gen, T)
@@ -354,13 +357,13 @@ def test_extend_eager_call_site(dispatcher, monkeypatch, backend_name, tracked, 
     A_log, dt_bias = params(gen)
     idx = torch.tensor(slots, dtype=torch.int32)
     qsl = torch.tensor([0, *itertools.accumulate(seqlens)], dtype=torch.int32)
-    chunk_idx = torch.tensor([1, -1, 2], dtype=torch.int32)     # snapshots after 64 and 128 tokens
-    track = torch.full((3, HV, V, K), NAN) if tracked else None
+    chunk_idx = torch.tensor([1, -1, 2, -1], dtype=torch.int32)     # snapshots after 64 and 128 tokens
+    track = torch.full((4, HV, V, K), NAN) if tracked else None
     init, before = pool.clone(), pool_words(pool)
     res = call_site(dispatcher.extend, "extend_eager", dict(
         q=q, k=k, v=v, g=a, beta=b, ssm_states=pool, cache_indices=idx, query_start_loc=qsl, A_log=A_log,
         dt_bias=dt_bias, lower_bound=lower_bound, beta_is_raw=True, extend_seq_lens_cpu=list(seqlens),
-        extend_prefix_lens=torch.tensor([16, 0, 40]), layer_id=0, is_spec_decode=False,
+        extend_prefix_lens=torch.tensor([16, 0, 40, 0]), layer_id=0, is_spec_decode=False,
         return_intermediate_states=tracked, track_ssm_h_src=torch.tensor([1, 4]) if tracked else None,
         track_state=track, track_chunk_idx=chunk_idx if tracked else None, state_checkpoint_cu_starts=None,
         num_state_checkpoints=0, state_checkpoint_every_n_tokens=0, state_checkpoint_indices=None,
@@ -374,13 +377,13 @@ def test_extend_eager_call_site(dispatcher, monkeypatch, backend_name, tracked, 
     ref, per_seq = extend_reference(q, k, v, a, b, A_log, dt_bias, init, slots, seqlens, lower_bound=lower_bound)
     assert o.shape == (1, T, HV, V)
     check(o[0], ref, 2e-5, "extend output")
-    for n, (s, (st, _)) in enumerate(zip(slots, per_seq)):
+    for n, (s, (st, _)) in enumerate(zip(slots[:3], per_seq)):
         check(pool[s], st[-1], 2e-5, f"sequence {n} final state")
     if tracked:
         for n, c in enumerate(chunk_idx.tolist()):
             if c >= 0:
                 check(track[n], per_seq[n][0][c * 64 - 1], 2e-5, f"sequence {n} snapshot at chunk {c}")
-    keep = slot_words_mask(pool, slots)
+    keep = slot_words_mask(pool, slots)          # slot 0 included: sglang's padding may write it
     assert torch.equal(pool_words(pool)[keep], before[keep])
 
 
