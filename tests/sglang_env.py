@@ -7,9 +7,10 @@ names), for tests/test_integration_sglang.py.
 - ``kda_backend.py`` imports the model runner, the schedulers and the model configs for its type
   hints and the backend class; the packages those need and the wheel does not bring are replaced,
   only while sglang is imported and only where they are not installed, by modules whose every
-  attribute is an inert class. Three sglang modules that pull in the whole server
-  (``STUBBED_SGLANG``) are replaced the same way; nothing the KDA kernels or the dispatcher run
-  comes from them.
+  attribute is an inert class. Four sglang packages that pull in the whole server and every
+  model config (``STUBBED_SGLANG``) are replaced the same way, installed packages or not (a
+  transformers other than sglang's pin breaks its configs); nothing the KDA kernels or the
+  dispatcher run comes from them.
 """
 from __future__ import annotations
 
@@ -23,10 +24,10 @@ import types
 
 # The real packages the KDA modules need beyond torch and triton (the .ci/run install line).
 SGLANG_PACKAGES = ("msgspec", "orjson", "psutil", "pybase64", "requests", "pillow", "starlette", "dill")
-STUBBED_PACKAGES = ("pydantic", "pydantic_core", "zmq", "transformers", "torchvision", "IPython", "tqdm",
-                    "huggingface_hub", "sentencepiece", "safetensors", "tvm_ffi", "compressed_tensors", "regex",
-                    "gguf", "openai", "partial_json_parser")
-STUBBED_SGLANG = ("sglang.srt.model_executor.model_runner", "sglang.srt.managers", "sglang.srt.speculative")
+STUBBED_PACKAGES = ("pydantic", "pydantic_core", "zmq", "transformers", "IPython", "tqdm", "huggingface_hub",
+                    "safetensors", "tvm_ffi", "compressed_tensors", "regex", "gguf")
+STUBBED_SGLANG = ("sglang.srt.model_executor.model_runner", "sglang.srt.managers", "sglang.srt.speculative",
+                  "sglang.srt.configs")
 MODULES = ("sglang.srt.plugins", "sglang.srt.plugins.hook_registry",
            "sglang.srt.layers.attention.linear.utils",
            "sglang.srt.layers.attention.linear.kernels.kda_triton",

@@ -1,1 +1,2 @@
-"""Engine integrations: kdakit's kernels installed into a serving engine without editing it."""
+"""Integrations of kdakit's kernels into other libraries' models (each imported on its own;
+nothing here imports an optional package)."""
