@@ -577,7 +577,8 @@ def test_replayssm_decode_and_verify_fall_back(sg, dispatcher, monkeypatch, capl
     with caplog.at_level(logging.WARNING, logger="kdakit.integrations.sglang"):
         got = dispatcher.packed_decode(torch.zeros(2, CONV_DIM), torch.zeros(2, HV * K), torch.zeros(1, 2, HV),
                                        A_log=torch.zeros(1, 1, HV, 1), dt_bias=torch.zeros(HV * K), scale=0.25,
-                                       ssm_states=torch.zeros(3, HV, V, K), cache_indices=torch.ones(2, dtype=torch.int32),
+                                       ssm_states=torch.zeros(3, HV, V, K),
+                                       cache_indices=torch.ones(2, dtype=torch.int32),
                                        num_v_heads=HV, head_v_dim=V, lower_bound=None, replayssm_d=ring,
                                        replayssm_k=ring, replayssm_g=ring, replayssm_write_pos=ring,
                                        replayssm_force_flush=None)
