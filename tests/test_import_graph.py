@@ -1,5 +1,5 @@
 """The import graph runs one way: the layer, the state pool, the drop-ins and the CLI sit
-above the ops; the ops (``kdakit/ops/``) import only each other and the modules below them
+above the ops; the ops (``kdakit/ops/`` and its subpackages) import only each other and the modules below them
 (``backends``, ``buffers``, ``contracts``, ``errors``, ``reference``), which import only each
 other; the op registry imports nothing of kdakit. Checked on the source (every import statement, function-level ones included)."""
 import ast
@@ -38,7 +38,7 @@ def kdakit_imports(path: pathlib.Path) -> set[str]:
     return {name for name in found if name == "kdakit" or name.startswith("kdakit.")}
 
 
-OP_MODULES = sorted((ROOT / "ops").glob("*.py"))
+OP_MODULES = sorted((ROOT / "ops").rglob("*.py"))
 LOW_MODULES = [ROOT / f"{name.rpartition('.')[2]}.py" for name in sorted(BELOW_OPS)]
 
 
@@ -59,3 +59,6 @@ def test_the_checker_sees_imports():
         ROOT / "ops" / "packed_decode.py")
     assert "kdakit.buffers" in kdakit_imports(ROOT / "errors.py")
     assert "kdakit.ops.commit" in kdakit_imports(ROOT / "layer.py")
+    assert {"kdakit.errors", "kdakit.ops.launch", "kdakit.ops.chunk_prefill.prep"} <= kdakit_imports(
+        ROOT / "ops" / "chunk_prefill" / "run.py")
+    assert "kdakit.ops.chunk_prefill.op" in kdakit_imports(ROOT / "ops" / "chunk_prefill" / "__init__.py")
