@@ -27,7 +27,7 @@ def run_chunk_prefill(q, k, v, g, beta, state, slot_indices, out, *, cu_seqlens,
                 chunk_state_indices=chunk_state_indices)
 
 
-@kdakit_op("chunk_prefill", mutates=("state", "out", "chunk_states"))
+@kdakit_op("chunk_prefill", counts_errors=True, mutates=("state", "out", "chunk_states"))
 def chunk_prefill_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                      state: torch.Tensor, slot_indices: torch.Tensor, out: torch.Tensor, cu_seqlens: torch.Tensor,
                      scale: float | None, use_qk_l2norm: bool, A_log: torch.Tensor | None,
