@@ -9,42 +9,63 @@ streams (the kernels only add to them, atomically), never freed, so a CUDA graph
 counting into the buffer it captured. They are made on the first call on a device; made
 during a graph capture they would belong to that graph alone, so run each op once eagerly
 before capturing it (engines warm up so anyway), or call ``counters(device)`` once.
+
+Which ops count, and the counter of each, come from the op registry: ``OPS`` (the ops that
+register with ``kdakit_op(..., counts_errors=True)``, sorted by name) and ``INDEX`` (name ->
+counter, the ``ERR_INDEX`` the kernels take) are read from it on first use, after ``import
+kdakit`` has registered every op: the op modules import this module, so it cannot import them.
 """
 from __future__ import annotations
 
 import torch
 
 from .buffers import kept_buffer, kept_buffers
+from .ops.registry import error_counting_ops
 
-OPS = ("packed_decode", "fused_decode", "causal_conv1d_update", "mtp_verify", "commit_snapshots", "commit_ring",
-       "recurrent_forward", "causal_conv1d_varlen", "chunk_prefill", "tree_verify", "commit_tree_ring")
-INDEX = {name: i for i, name in enumerate(OPS)}
 NO_COUNT = -1  # the ERR_INDEX of a kernel that runs inside an op whose other kernel counts
 _KIND = "index error counters"
 
 
+def _layout() -> tuple[tuple[str, ...], dict[str, int]]:
+    """``(OPS, INDEX)``, set as module attributes on the first call so later reads are plain lookups."""
+    if "INDEX" not in globals():
+        ops = error_counting_ops()
+        globals().update(OPS=ops, INDEX={name: i for i, name in enumerate(ops)})
+    return OPS, INDEX
+
+
+def __getattr__(name: str):
+    if name == "OPS":
+        return _layout()[0]
+    if name == "INDEX":
+        return _layout()[1]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def counters(device: torch.device) -> torch.Tensor:
     """The int32 counters of ``device`` (one per op, in ``OPS`` order)."""
-    return kept_buffer(_KIND, device, len(OPS), lambda size: torch.zeros(size, dtype=torch.int32, device=device),
+    ops, _ = _layout()
+    return kept_buffer(_KIND, device, len(ops), lambda size: torch.zeros(size, dtype=torch.int32, device=device),
                        per_stream=False)
 
 
 def count(op: str, bad: torch.Tensor) -> None:
     """Add the number of True entries of ``bad`` to ``op``'s counter (the reference's side; no sync)."""
     if bad.numel():
-        counters(bad.device)[INDEX[op]] += bad.sum().to(torch.int32)
+        counters(bad.device)[_layout()[1][op]] += bad.sum().to(torch.int32)
 
 
 def take_errors() -> dict[str, int]:
     """Sync, return ``{op: rows}`` for every op that met an index outside its buffer since the
     last call (ops with no such row are left out: an empty dict means none), and reset the
     counters to zero. Reads every device and stream kdakit has run on."""
+    ops, _ = _layout()
     kept = kept_buffers(_KIND)
     for device in {device for (device, _), _ in kept if device.type == "cuda"}:
         torch.cuda.synchronize(device)
-    totals = dict.fromkeys(OPS, 0)
+    totals = dict.fromkeys(ops, 0)
     for _, buf in kept:
-        for name, value in zip(OPS, buf[:len(OPS)].tolist()):
+        for name, value in zip(ops, buf[:len(ops)].tolist()):
             totals[name] += value
         buf.zero_()
     for device in {device for (device, _), _ in kept if device.type == "cuda"}:

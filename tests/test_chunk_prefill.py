@@ -494,7 +494,7 @@ def test_qk_from_input_equals_the_workspace_bitwise(split_prep, l2norm):
 
 def run_recording_prep_launches(monkeypatch, case, idx, configs):
     """Each config's (out, pool) on ``case``, and the PHASES of its prep launches in order."""
-    from kdakit.ops import chunk_prefill as module
+    from kdakit.ops.chunk_prefill import run as module
     x, A_log, dt_bias, cu, state, T = case
     HV, V = x["v"].shape[2:]
     got, phases = [], []
@@ -601,7 +601,7 @@ def test_block_and_slice_programs_equal_the_loops(monkeypatch, chunk, from_input
     and mild sub-blocks, K != V both ways (some programs make no u, or no w), GVA, sequences of
     one token and off the chunk grid; with the inverse's diagonal programs and doubling, as
     picked, and the workspaces starting as NaN. The programs need the split launches."""
-    from kdakit.ops import chunk_prefill as module
+    from kdakit.ops.chunk_prefill import run as module
     H, HV = 1, 2
     for fields in (dict(products="block_programs"), dict(factor_programs=True)):
         with pytest.raises(ValueError, match="need split_prep and split_rest"):
@@ -888,7 +888,7 @@ def test_inverse_by_doubling_against_float64(chunk, gate, monkeypatch):
     """``ChunkConfig.inverse="doubling"``: the inverse below the diagonal blocks by doubling
     (16 -> 32 -> 64) gives the float64 results, and those of the block-row substitution up to
     float32 rounding; sequences that end inside a chunk, the pool's other slots untouched."""
-    from kdakit.ops import chunk_prefill as module
+    from kdakit.ops.chunk_prefill import run as module
     prep, flags = module._chunk_prep, []
 
     def noting_prep(grid, args, constexprs, **kw):
@@ -923,13 +923,13 @@ def test_inverse_by_doubling_against_float64(chunk, gate, monkeypatch):
                          ids=["chunk64-softplus-steep-qk-from-input", "chunk64-safe-workspace-qk",
                               "chunk32-softplus-steep-workspace-qk", "chunk16-log-decay-qk-from-input"])
 def test_diagonal_programs_against_float64(chunk, gate, from_input, monkeypatch):
-    """``ChunkConfig.diagonal_programs`` (chunk_inverse.py: the inverse's 16 x 16 diagonal
+    """``ChunkConfig.diagonal_programs`` (chunk_prefill/inverse.py: the inverse's 16 x 16 diagonal
     blocks as one-warp programs of their own, the prep's inverse launch told they are done),
     with either inverse below them: the float64 results, and those of the diagonal inverted in
     the prep up to float32 rounding, with steep and mild sub-blocks side by side (a steep one
     in a chunk's last, partial sub-block too), GVA, K below its power-of-two tile; the
     launches are the ones configured and the pool's other slots untouched."""
-    from kdakit.ops import chunk_prefill as module
+    from kdakit.ops.chunk_prefill import run as module
     launched = []
     prep, diagonal = module._chunk_prep, module.diagonal_inverse
 

@@ -336,6 +336,20 @@ def configure(monkeypatch, request):
     monkeypatch.delenv("KDAKIT_CHECKS", raising=False)
 
 
+def test_counters_are_the_registered_ops_that_count():
+    """``kdakit.errors.OPS``: the registered ops declared with ``counts_errors=True``, sorted, one
+    counter each in that order; the op that indexes no buffer counts nothing; a counting op
+    registered once the counters are laid out is refused (its counter would not exist)."""
+    from kdakit.ops.registry import OPS, kdakit_op
+    counting = {name for name, op in OPS.items() if op.counts_errors}
+    assert kdakit.errors.OPS == tuple(sorted(counting))
+    assert kdakit.errors.INDEX == {name: i for i, name in enumerate(kdakit.errors.OPS)}
+    assert set(OPS) - counting == {"gated_rmsnorm"}
+    with pytest.raises(RuntimeError, match="after the counters were laid out"):
+        kdakit_op("late_counting_op", mutates=(), counts_errors=True)(lambda x: None)
+    assert "late_counting_op" not in OPS
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("op, build, out_row", CASES)
 def test_index_outside_its_buffer_is_a_counted_padding_row(op, build, out_row, backend, configure, monkeypatch):

@@ -289,7 +289,7 @@ def check_commit_ring(state, ring_k, ring_v, ring_g, ring_beta, slot_indices, ac
                                "slots.")
 
 
-@kdakit_op("commit_ring", mutates=("state",))
+@kdakit_op("commit_ring", counts_errors=True, mutates=("state",))
 def commit_ring_op(state: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor, ring_g: torch.Tensor,
                    ring_beta: torch.Tensor, slot_indices: torch.Tensor, accept_lens: torch.Tensor,
                    track_slots: torch.Tensor | None, track_steps: torch.Tensor | None, use_qk_l2norm: bool,
@@ -394,8 +394,8 @@ def _schema_args(state, snapshots, slot_indices, scratch_indices, accepted_steps
             list(intermediate_conv or ()), backend)
 
 
-@kdakit_op("commit_snapshots", mutates=("state", "conv_states"), dispatch=run_commit_snapshots,
-           flatten=_schema_args)
+@kdakit_op("commit_snapshots", counts_errors=True, mutates=("state", "conv_states"),
+           dispatch=run_commit_snapshots, flatten=_schema_args)
 def commit_snapshots_op(state: torch.Tensor, snapshots: torch.Tensor | None, slot_indices: torch.Tensor,
                         scratch_indices: torch.Tensor, accepted_steps: torch.Tensor, conv_states: list[torch.Tensor],
                         intermediate_conv: list[torch.Tensor], backend: str | None) -> None:

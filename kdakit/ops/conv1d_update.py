@@ -70,11 +70,13 @@ def conv1d_update_config(channels: int) -> Conv1dUpdateConfig:
 @register("causal_conv1d_update", "triton")
 def causal_conv1d_update_triton(x, conv_state, weight, slot_indices, out, *, bias=None,
                                 config: Conv1dUpdateConfig | None = None, launch_dependents=False, num_slots=None,
-                                err_index=errors.INDEX["causal_conv1d_update"]):
+                                err_index=None):
     """``config`` overrides the pinned choice (``conv1d_update_config``; sweeps, tests);
     ``launch_dependents``: the next kernel, a programmatic dependent launch, may start early.
     ``num_slots`` (default: the pool's): slots from there on are padding, counted on
-    counter ``err_index`` (``errors.NO_COUNT``: not counted)."""
+    counter ``err_index`` (default: causal_conv1d_update's; ``errors.NO_COUNT``: not counted)."""
+    if err_index is None:
+        err_index = errors.INDEX["causal_conv1d_update"]
     B, C = x.shape
     if B == 0:
         return out
@@ -97,7 +99,7 @@ def causal_conv1d_update_reference(x, conv_state, weight, slot_indices, out, *, 
     return reference.causal_conv1d_update(x, conv_state, weight, slot_indices, out, bias=bias)
 
 
-@kdakit_op("causal_conv1d_update", mutates=("conv_state", "out"))
+@kdakit_op("causal_conv1d_update", counts_errors=True, mutates=("conv_state", "out"))
 def causal_conv1d_update_op(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
                             slot_indices: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None,
                             backend: str | None) -> None:

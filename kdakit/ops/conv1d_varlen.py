@@ -335,7 +335,7 @@ def causal_conv1d_varlen_reference(x, conv_state, weight, cu_seqlens, slot_indic
                                           has_initial_state=has_initial_state, bias=bias, activation=activation)
 
 
-@kdakit_op("causal_conv1d_varlen", mutates=("conv_state", "out"))
+@kdakit_op("causal_conv1d_varlen", counts_errors=True, mutates=("conv_state", "out"))
 def causal_conv1d_varlen_op(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
                             cu_seqlens: torch.Tensor, slot_indices: torch.Tensor, out: torch.Tensor,
                             has_initial_state: torch.Tensor | None, bias: torch.Tensor | None, activation: bool,

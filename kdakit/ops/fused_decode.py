@@ -336,7 +336,7 @@ def fused_decode_reference(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, s
                                   norm_weight=norm_weight, norm_eps=norm_eps)
 
 
-@kdakit_op("fused_decode", mutates=("conv_state", "state", "out"))
+@kdakit_op("fused_decode", counts_errors=True, mutates=("conv_state", "state", "out"))
 def fused_decode_op(qkv: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch.Tensor, a: torch.Tensor,
                     b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor,
                     slot_indices: torch.Tensor, out: torch.Tensor, conv_bias: torch.Tensor | None, scale: float,

@@ -419,7 +419,8 @@ def verify_schema_args(first: int):
 
 
 @kdakit_op("mtp_verify", mutates=("out", "ic_q", "ic_k", "ic_v", "snapshots", "ring_k", "ring_v", "ring_g",
-                                  "ring_beta"), dispatch=run_mtp_verify, flatten=verify_schema_args(11))
+                                  "ring_beta"), counts_errors=True, dispatch=run_mtp_verify,
+           flatten=verify_schema_args(11))
 def mtp_verify_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                   A_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor, slot_indices: torch.Tensor,
                   scratch_indices: torch.Tensor, out: torch.Tensor,

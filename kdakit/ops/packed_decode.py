@@ -125,12 +125,15 @@ def packed_decode_config(batch: int, HV: int, V: int, K: int, state_itemsize: in
 @register("packed_decode", "triton")
 def packed_decode_triton(mixed_qkv, a, b, A_log, dt_bias, state, slot_indices, out, *,
                          scale, use_qk_l2norm, lower_bound, config: PackedDecodeConfig | None = None, wait_for_qkv=False, launch_dependents=False,
-                         num_slots=None, err_index=errors.INDEX["packed_decode"]):
+                         num_slots=None, err_index=None):
     """``config`` overrides the pinned choice (``packed_decode_config``; sweeps, tests).
     ``wait_for_qkv``: a programmatic dependent launch after the kernel that writes
     ``mixed_qkv`` (``launch.pdl_available``); ``launch_dependents``: let the next kernel
     (launched so) start early. ``num_slots`` (default: the pool's): slots from there on are
-    treated as padding and counted on counter ``err_index`` (``errors.NO_COUNT``: not counted)."""
+    treated as padding and counted on counter ``err_index`` (default: packed_decode's;
+    ``errors.NO_COUNT``: not counted)."""
+    if err_index is None:
+        err_index = errors.INDEX["packed_decode"]
     B = mixed_qkv.shape[0]
     _, HV, V, K = state.shape
     H = reference.infer_packed_heads(mixed_qkv.shape[1], HV, V, K)
@@ -159,7 +162,7 @@ def packed_decode_reference(mixed_qkv, a, b, A_log, dt_bias, state, slot_indices
                                    scale=scale, use_qk_l2norm=use_qk_l2norm, lower_bound=lower_bound)
 
 
-@kdakit_op("packed_decode", mutates=("state", "out"))
+@kdakit_op("packed_decode", counts_errors=True, mutates=("state", "out"))
 def packed_decode_op(mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
                      dt_bias: torch.Tensor, state: torch.Tensor, slot_indices: torch.Tensor, out: torch.Tensor,
                      scale: float, use_qk_l2norm: bool, lower_bound: float | None, backend: str | None) -> None:

@@ -330,7 +330,8 @@ def run_recurrent_forward(q, k, v, g, beta, state, slot_indices, out, *, cu_seql
                 zero_uncovered=zero_uncovered)
 
 
-@kdakit_op("recurrent_forward", mutates=("state", "out", "token_states", "final_states"))
+@kdakit_op("recurrent_forward", counts_errors=True,
+           mutates=("state", "out", "token_states", "final_states"))
 def recurrent_forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                          state: torch.Tensor, slot_indices: torch.Tensor, out: torch.Tensor,
                          cu_seqlens: torch.Tensor | None, scale: float | None, use_qk_l2norm: bool,

@@ -11,7 +11,7 @@ An op module declares its op next to its kernel with :func:`kdakit_op` on its di
 body (typed with the schema; ``backend: str | None`` last) and calls the result from its
 public entry, after validation::
 
-    @kdakit_op("causal_conv1d_update", mutates=("conv_state", "out"))
+    @kdakit_op("causal_conv1d_update", counts_errors=True, mutates=("conv_state", "out"))
     def causal_conv1d_update_op(x: torch.Tensor, ..., backend: str | None) -> None:
         _, impl = select("causal_conv1d_update", x.device, backend)
         impl(x, ...)
@@ -53,7 +53,9 @@ contracts pin some of them).
 
 ``OPS`` maps each name to its :class:`Op`: the custom op, what it mutates, its schema and
 its example inputs (``@<name>_op.register_example``), which the generic tests iterate
-(opcheck, fullgraph compile, the sm_90 compile, the GPU compile/graph check).
+(opcheck, fullgraph compile, the sm_90 compile, the GPU compile/graph check). An op that
+treats out-of-range indices as padding rows and counts them says so (``counts_errors=True``);
+:func:`error_counting_ops` lays out their counters (``kdakit.errors``) from the registry.
 
 This module imports nothing of kdakit: the op modules sit above it.
 """
@@ -66,6 +68,7 @@ import torch
 TAGS = (torch.Tag.needs_exact_strides,)
 
 OPS: dict[str, Op] = {}
+_counting: tuple[str, ...] | None = None  # the counters' layout, fixed by error_counting_ops()
 
 
 def _writes_only(*args, **kwargs):
@@ -98,9 +101,10 @@ class Op:
     """A public op: its custom op ``torch.ops.kdakit.<name>`` and the call that picks the path."""
 
     def __init__(self, name: str, mutates: tuple[str, ...], body: Callable, dispatch: Callable | None,
-                 flatten: Callable | None):
+                 flatten: Callable | None, counts_errors: bool = False):
         self.name = name
         self.mutates = tuple(mutates)
+        self.counts_errors = counts_errors
         self.custom_op = torch.library.custom_op(f"kdakit::{name}", mutates_args=self.mutates, tags=TAGS)(body)
         self.custom_op.register_fake(_writes_only)
         self.schema = self.overload._schema
@@ -142,20 +146,37 @@ class Op:
         return f"<kdakit op {self.schema}>"
 
 
-def kdakit_op(name: str, *, mutates: tuple[str, ...], dispatch: Callable | None = None,
-              flatten: Callable | None = None) -> Callable[[Callable], Op]:
+def kdakit_op(name: str, *, mutates: tuple[str, ...], counts_errors: bool = False,
+              dispatch: Callable | None = None, flatten: Callable | None = None) -> Callable[[Callable], Op]:
     """Decorator: the typed body becomes ``torch.ops.kdakit.<name>`` (registered in ``OPS``).
 
-    ``mutates``: the arguments the op writes. Without ``dispatch``, the body is also the
-    eager path. ``dispatch``/``flatten``: see the module doc (arguments with no schema type).
+    ``mutates``: the arguments the op writes. ``counts_errors``: the op counts the indices it
+    finds outside their buffers on its counter (``kdakit.errors``). Without ``dispatch``, the
+    body is also the eager path. ``dispatch``/``flatten``: see the module doc (arguments with
+    no schema type).
     """
     def decorate(body: Callable) -> Op:
         if name in OPS:
             raise ValueError(f"kdakit::{name} is already registered.")
-        op = Op(name, mutates, body, dispatch, flatten)
+        if counts_errors and _counting is not None:
+            raise RuntimeError(f"kdakit::{name} counts index errors but registers after the counters were laid "
+                               f"out for {', '.join(_counting)}; import its module from kdakit/__init__.py.")
+        op = Op(name, mutates, body, dispatch, flatten, counts_errors)
         OPS[name] = op
         return op
     return decorate
+
+
+def error_counting_ops() -> tuple[str, ...]:
+    """The ops that count index errors (``counts_errors=True``), sorted by name: an op's position
+    is its counter's index, which its kernels take as a constexpr (``kdakit.errors.INDEX``).
+    Sorted, the layout does not depend on the order the op modules import each other in. Fixed
+    by the first call, when the counters are first used (``import kdakit`` has registered every
+    op by then); a counting op registered later raises, as the counters have no room for it."""
+    global _counting
+    if _counting is None:
+        _counting = tuple(sorted(name for name, op in OPS.items() if op.counts_errors))
+    return _counting
 
 
 # ----------------------------------------------------------------------------

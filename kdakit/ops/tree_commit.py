@@ -156,7 +156,7 @@ def commit_tree_ring_reference(state, ring_k, ring_v, ring_g, ring_beta, slot_in
 from .registry import example_index, example_rand, example_randn, example_rng, kdakit_op  # noqa: E402
 
 
-@kdakit_op("commit_tree_ring", mutates=("state",))
+@kdakit_op("commit_tree_ring", counts_errors=True, mutates=("state",))
 def commit_tree_ring_op(state: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor, ring_g: torch.Tensor,
                         ring_beta: torch.Tensor, slot_indices: torch.Tensor, paths: torch.Tensor,
                         accept_lens: torch.Tensor, use_qk_l2norm: bool, null_block_id: int,

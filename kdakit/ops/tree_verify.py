@@ -375,7 +375,8 @@ def run_tree_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_
 
 
 @kdakit_op("tree_verify", mutates=("out", "ic_q", "ic_k", "ic_v", "snapshots", "ring_k", "ring_v", "ring_g",
-                                   "ring_beta"), dispatch=run_tree_verify, flatten=verify_schema_args(12))
+                                   "ring_beta"), counts_errors=True, dispatch=run_tree_verify,
+           flatten=verify_schema_args(12))
 def tree_verify_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                    A_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor, slot_indices: torch.Tensor,
                    scratch_indices: torch.Tensor, parents: torch.Tensor, out: torch.Tensor,

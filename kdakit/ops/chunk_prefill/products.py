@@ -5,7 +5,7 @@ log-decay Γ (``[C, BLOCK_K]``) and, with ``ChunkConfig.qk_from_input``, each ro
 norms of k and q (the later phases read q and k from the inputs and scale them as they load:
 ``_unit_rows``). The pairs whose earlier token lies in 16-token column block ``j`` form one
 tensor-core product over the rows at or below it, factored at a token ``b`` so that no exponent
-is positive beyond what the block's log-decay spread bounds (``chunk_prefill``'s module doc).
+is positive beyond what the block's log-decay spread bounds (the package doc of ``kdakit.ops.chunk_prefill``).
 By block (``_column_block_products``), a column block's products run over every K slice, in a
 loop over the blocks or a program per block (on all the rows, or for the lower half of the
 blocks on the lower half of the rows); by slice

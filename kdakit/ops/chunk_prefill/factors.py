@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .chunk_products import _unit_slice
+from .products import _unit_slice
 
 
 @triton.jit
