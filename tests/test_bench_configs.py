@@ -9,6 +9,8 @@ import torch
 
 from kdakit.bench import harness, inputs
 
+from helpers import sweep
+
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 sys.path.insert(0, BENCH)
 

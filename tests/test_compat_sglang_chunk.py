@@ -14,7 +14,7 @@ from kdakit import reference
 from kdakit.compat.sglang import chunk_kda
 
 from fla_oracle import fla_log_gate, fla_varlen
-from helpers import POISON, assert_close, kda_params
+from helpers import POISON, assert_close, kda_params, sweep
 
 F64 = torch.float64
 NAN = float("nan")
