@@ -6,6 +6,27 @@ import torch
 POISON = 1e30
 
 
+def sweep(values, keep=1, *, unpack=True):
+    """A parametrize list whose first ``keep`` values (or those at the indices ``keep`` lists)
+    run in the default suite and the rest only with ``--exhaustive`` (marked ``exhaustive``;
+    see conftest.py). Ids stay as they were: a ``pytest.param`` keeps its id and marks, a plain
+    value its generated id. A plain tuple is one value per argname (as ``parametrize`` reads
+    it for several argnames); ``unpack=False`` for one argname whose values are tuples."""
+    import pytest
+    from _pytest.mark.structures import ParameterSet
+
+    kept = range(keep) if isinstance(keep, int) else set(keep)
+    out = []
+    for i, v in enumerate(values):
+        if i in kept:
+            out.append(v)
+        elif isinstance(v, ParameterSet):
+            out.append(pytest.param(*v.values, marks=(*v.marks, pytest.mark.exhaustive), id=v.id))
+        else:
+            out.append(pytest.param(*(v if unpack and isinstance(v, tuple) else (v,)), marks=pytest.mark.exhaustive))
+    return out
+
+
 def nan_filled(make):
     """``make`` (``torch.empty`` or ``torch.empty_like``) whose floating tensors start as NaN: a
     kernel that reads a workspace entry nothing wrote turns its outputs non-finite."""

@@ -9,6 +9,8 @@ import torch
 
 from kdakit.bench import harness, inputs
 
+from helpers import sweep
+
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 sys.path.insert(0, BENCH)
 
@@ -109,9 +111,9 @@ def test_a_wrong_field_fails_before_anything_runs():
         bench_recurrent_forward.config_groups("prefetch_tile=2")
 
 
-@pytest.mark.parametrize("script", ["bench_packed_decode", "bench_packed_decode_helion", "bench_fused_decode",
+@pytest.mark.parametrize("script", sweep(["bench_packed_decode", "bench_packed_decode_helion", "bench_fused_decode",
                                     "bench_mtp", "bench_recurrent_forward", "bench_launcher",
-                                    "bench_tree_verify"])
+                                    "bench_tree_verify"], keep=2))
 def test_scripts_parse_their_arguments_on_the_cpu(script):
     env = dict(os.environ, PYTHONPATH=os.path.dirname(BENCH))
     done = subprocess.run([sys.executable, os.path.join(BENCH, f"{script}.py"), "--help"], capture_output=True,

@@ -15,7 +15,7 @@ from kdakit.ops.chunk_prefill import (BETA_SIGMOID, ChunkConfig, chunk_plan, chu
                                       max_chunks_for)
 
 from fla_oracle import fla_log_gate, fla_varlen
-from helpers import POISON, assert_close, kda_params, nan_filled, rel_err
+from helpers import POISON, assert_close, kda_params, nan_filled, rel_err, sweep
 
 F64 = torch.float64
 IEEE16 = ChunkConfig(chunk=16, block_v=16, dot_precision="ieee")
@@ -104,9 +104,9 @@ def check_pool(state, before, ref_pool, written, tol, what):
 # ----------------------------------------------------------------------------
 # Against the float64 recurrence
 # ----------------------------------------------------------------------------
-@pytest.mark.parametrize("H,HV,K,V", [(1, 1, 16, 32), (2, 4, 32, 16)], ids=["H1-HV1-K16-V32", "H2-HV4-K32-V16"])
+@pytest.mark.parametrize("H,HV,K,V", sweep([(1, 1, 16, 32), (2, 4, 32, 16)]), ids=["H1-HV1-K16-V32", "H2-HV4-K32-V16"])
 @pytest.mark.parametrize("gate", ["softplus", "safe", "log-decay"])
-@pytest.mark.parametrize("config", [IEEE16, IEEE32, IEEE32S, IEEE16C3],
+@pytest.mark.parametrize("config", sweep([IEEE16, IEEE32, IEEE32S, IEEE16C3], keep=2),
                          ids=["chunk16", "chunk32", "chunk32-split-prep", "chunk16-chain-3-pieces"])
 def test_varlen_against_float64(H, HV, K, V, gate, config):
     seqlens = [1, 36, 63]  # cu_seqlens [0, 1, 37, 100]: length 1, lengths off the chunk grid
@@ -149,6 +149,7 @@ def test_public_entry_default_chunk_and_fla_naive_oracle():
         assert_close(state[s], fla_finals[n].transpose(-1, -2), 1e-5, f"slot {s} vs fla naive")
 
 
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["softplus", "safe-at-bound"])
 def test_steep_gate_stays_finite_and_accurate(lower_bound):
     """Softplus gate: log-decay about -20 a token in some channels over a few hundred tokens
@@ -172,6 +173,7 @@ def test_steep_gate_stays_finite_and_accurate(lower_bound):
         assert_close(state[s], ref_pool[s], 1e-5, f"slot {s}")
 
 
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("spread_max", [-1.0, 60.0], ids=["exact-everywhere", "factored-where-bounded"])
 def test_in_sub_block_factoring_per_sub_block(spread_max):
     """Steep and mild sub-blocks in one chunk: a quarter of the channels decay by 20 a token
@@ -194,8 +196,8 @@ def test_in_sub_block_factoring_per_sub_block(spread_max):
         assert_close(state[s], ref_pool[s], 1e-5, f"slot {s}")
 
 
-@pytest.mark.parametrize("state_dtype,act", [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
-                                             (torch.float32, torch.bfloat16)], ids=str)
+@pytest.mark.parametrize("state_dtype,act", sweep([(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
+                                             (torch.float32, torch.bfloat16)]), ids=str)
 def test_bf16_pools_and_inputs(state_dtype, act):
     H, HV, K, V = 1, 2, 16, 32
     x, A_log, dt_bias, cu, state, T = make_case(H, HV, K, V, [20, 13], seed=4, act=act, state_dtype=state_dtype)
@@ -208,7 +210,7 @@ def test_bf16_pools_and_inputs(state_dtype, act):
     check_pool(state, before, ref_pool, [3, 0], 2e-2, "pool")
 
 
-@pytest.mark.parametrize("config", [IEEE16W, IEEE16C3, IEEE16A],
+@pytest.mark.parametrize("config", sweep([IEEE16W, IEEE16C3, IEEE16A], keep=2),
                          ids=["whole-chain", "chain-3-pieces", "outputs-after-chain"])
 def test_padding_out_of_range_slots_initial_state_mix_interleaved_pool(config):
     """Slot -1 and slot >= slots are padding rows (zero outputs, no pool access); a sequence
@@ -245,7 +247,7 @@ def test_padding_out_of_range_slots_initial_state_mix_interleaved_pool(config):
     assert torch.equal(state[[1, 3, 5]], before[[1, 3, 5]])
 
 
-@pytest.mark.parametrize("config", [IEEE16W, IEEE16C3, IEEE16A],
+@pytest.mark.parametrize("config", sweep([IEEE16W, IEEE16C3, IEEE16A]),
                          ids=["whole-chain", "chain-3-pieces", "outputs-after-chain"])
 def test_chunk_boundary_states(config):
     """The state after every CHUNK tokens goes to its scratch row (prefix caching); rows
@@ -430,7 +432,7 @@ def test_offsets_past_the_inputs_read_nothing_outside():
     assert (storage_out[T:] == 0).all(), "nothing written past token T"
 
 
-@pytest.mark.parametrize("K,V", [(128, 64), (64, 128)])
+@pytest.mark.parametrize("K,V", sweep([(128, 64), (64, 128)]))
 def test_real_head_dims_default_config(K, V):
     """The public call's own launch config (chunk 64, tf32x3, V tiles from the shapes) at
     real head dims, K != V."""
@@ -462,6 +464,7 @@ def test_chunk_form_algebra_in_float64(lower_bound):
         assert rel_err(o, ref_out[0, :, 0]) < 1e-12 and rel_err(S, ref_pool[0, 0]) < 1e-12
 
 
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("split_prep", [False, True], ids=["one-launch", "split-prep"])
 @pytest.mark.parametrize("l2norm", [True, False], ids=["l2norm", "no-l2norm"])
 def test_qk_from_input_equals_the_workspace_bitwise(split_prep, l2norm):
@@ -513,6 +516,7 @@ def run_recording_prep_launches(monkeypatch, case, idx, configs):
     return got, phases
 
 
+@pytest.mark.exhaustive
 def test_split_rest_equals_one_rest_launch_bitwise(monkeypatch):
     """``ChunkConfig.split_rest``: the prep's last launch as three (products, inverse, w and u)
     gives the same bits as one; GVA, a steep sub-block, sequences off the chunk grid."""
@@ -528,6 +532,7 @@ def test_split_rest_equals_one_rest_launch_bitwise(monkeypatch):
     assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
 
 
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("chain_dots,K", [("float32", 32), ("bfloat16", 32), ("bfloat16", 40)],
                          ids=["float32-products-K32", "bf16-products-K32", "bf16-products-K40"])
 def test_outputs_after_chain_equal_in_chain_bitwise(monkeypatch, chain_dots, K):
@@ -560,6 +565,7 @@ def test_outputs_after_chain_equal_in_chain_bitwise(monkeypatch, chain_dots, K):
     assert_close(got[1][0][:, :n], ref_out[:, :n], 2e-2, "outputs after the chain")
 
 
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("outputs,products", [("in_chain", "block_programs"), ("after_chain", "by_slice")])
 def test_bf16_qk_pairs_equal_float32_ones_bitwise(outputs, products):
     """``ChunkConfig.qk_pairs_dtype="bfloat16"``: P stored rounded as the bf16 chain products
@@ -590,6 +596,7 @@ def test_bf16_qk_pairs_equal_float32_ones_bitwise(outputs, products):
         ChunkConfig(lower_block_warps=3)
 
 
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("chunk,from_input,K,V", [(64, True, 40, 16), (32, False, 40, 16), (32, True, 16, 40)],
                          ids=["chunk64-qk-from-input-K40-V16", "chunk32-workspace-qk-K40-V16",
                               "chunk32-qk-from-input-K16-V40"])
@@ -639,6 +646,7 @@ def test_block_and_slice_programs_equal_the_loops(monkeypatch, chunk, from_input
         assert_close(got[2][1][s], ref_pool[s], 1e-4, f"block programs' slot {s}")
 
 
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("chunk,from_input", [(64, True), (32, False), (16, True)],
                          ids=["chunk64-qk-from-input", "chunk32-workspace-qk", "chunk16-qk-from-input"])
 def test_products_by_slice_equal_by_block_bitwise(chunk, from_input):
@@ -676,6 +684,7 @@ STEEP_CASES = [  # (chunk, qk from the inputs, activations: bf16 with the picked
 ]
 
 
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("chunk,from_input,act", STEEP_CASES)
 def test_steep_pairs_by_slice_equal_by_column_bitwise(chunk, from_input, act):
     """``ChunkConfig.steep_pairs="by_slice"``: a steep sub-block's exact pairs with the K slices
@@ -714,7 +723,7 @@ def test_steep_pairs_by_slice_equal_by_column_bitwise(chunk, from_input, act):
         ChunkConfig(steep_pairs="by_row")
 
 
-@pytest.mark.parametrize("from_input", [False, True], ids=["workspace-qk", "qk-from-input"])
+@pytest.mark.parametrize("from_input", sweep([False, True]), ids=["workspace-qk", "qk-from-input"])
 @pytest.mark.parametrize("gate", ["softplus", "safe"])
 def test_bf16_factors_against_float64(from_input, gate):
     """``ChunkConfig.factor_dtype="bfloat16"``: the chain's factors stored in bf16 (one
@@ -758,7 +767,7 @@ def long_memory_case(H, HV, K, V, seqlens, *, seed, slots=6):
     return x, A_log, dt_bias, cu, state, T
 
 
-@pytest.mark.parametrize("gate", ["softplus", "safe"])
+@pytest.mark.parametrize("gate", sweep(["softplus", "safe"]))
 def test_float32_update_factors_keep_a_long_memory_state_at_float32(gate):
     """``ChunkConfig.update_factor_dtype="float32"`` with bf16 activations: w, u and
     k̂ ⊙ e^(Γ_C - Γ) stored in float32 (q̂ ⊙ e^Γ in bf16) keep the final state at float32 accuracy
@@ -815,6 +824,7 @@ def test_split_bf16_chain_products_with_float32_update_factors(pieces):
         ChunkConfig(chain_dot_split=True)
 
 
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("gate", ["softplus", "safe"])
 def test_chain_pieces_with_bf16_chain_products_against_float64(gate):
     """The picked form for one long sequence with few heads: the chain in pieces on 32-row V
@@ -912,7 +922,7 @@ def test_zz_print_errors():
 
 
 @pytest.mark.parametrize("chunk", [32, 64], ids=["chunk32-one-level", "chunk64-two-levels"])
-@pytest.mark.parametrize("gate", ["softplus", "safe"])
+@pytest.mark.parametrize("gate", sweep(["softplus", "safe"]))
 def test_inverse_by_doubling_against_float64(chunk, gate, monkeypatch):
     """``ChunkConfig.inverse="doubling"``: the inverse below the diagonal blocks by doubling
     (16 -> 32 -> 64) gives the float64 results, and those of the block-row substitution up to
@@ -947,8 +957,8 @@ def test_inverse_by_doubling_against_float64(chunk, gate, monkeypatch):
     assert torch.equal(pool[untouched], before[untouched])
 
 
-@pytest.mark.parametrize("chunk,gate,from_input", [(64, "softplus-steep", True), (64, "safe", False),
-                                                   (32, "softplus-steep", False), (16, "log-decay", True)],
+@pytest.mark.parametrize("chunk,gate,from_input", sweep([(64, "softplus-steep", True), (64, "safe", False),
+                                                   (32, "softplus-steep", False), (16, "log-decay", True)], keep=2),
                          ids=["chunk64-softplus-steep-qk-from-input", "chunk64-safe-workspace-qk",
                               "chunk32-softplus-steep-workspace-qk", "chunk16-log-decay-qk-from-input"])
 def test_diagonal_programs_against_float64(chunk, gate, from_input, monkeypatch):

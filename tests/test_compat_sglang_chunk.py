@@ -14,7 +14,7 @@ from kdakit import reference
 from kdakit.compat.sglang import chunk_kda
 
 from fla_oracle import fla_log_gate, fla_varlen
-from helpers import POISON, assert_close, kda_params
+from helpers import POISON, assert_close, kda_params, sweep
 
 F64 = torch.float64
 NAN = float("nan")
@@ -94,7 +94,7 @@ def ref64(x, A_log, dt_bias, cu, pool, idx, *, lower_bound, beta_is_logit, use_q
 # ----------------------------------------------------------------------------
 # Varlen: pool, padding row, h and track_state, against float64 and fla naive
 # ----------------------------------------------------------------------------
-@pytest.mark.parametrize("mode", ["h+track", "track"])
+@pytest.mark.parametrize("mode", sweep(["h+track", "track"]))
 def test_varlen_pool_prefix_states(backend, mode):
     H, HV, K, V = 1, 2, 16, 32
     seqlens = [65, 3, 2]  # two chunks; one; a padding row of two tokens
@@ -153,7 +153,7 @@ def _pool_before(pool, before):
 # ----------------------------------------------------------------------------
 # Boundaries: a sequence of exactly 64 tokens, chunks that do not exist, rows left alone
 # ----------------------------------------------------------------------------
-@pytest.mark.parametrize("with_h", [False, True], ids=["track", "h+track"])
+@pytest.mark.parametrize("with_h", sweep([False, True]), ids=["track", "h+track"])
 def test_track_rows_without_a_chunk_are_left_alone(backend, with_h):
     H, HV, K, V = 2, 2, 16, 16
     seqlens = [64, 6]

@@ -6,7 +6,7 @@ import torch
 from kdakit import reference
 from kdakit.ops.conv1d_update import Conv1dUpdateConfig, causal_conv1d_update, causal_conv1d_update_triton
 
-from helpers import POISON, assert_close, pick_slots, untouched_slots, noncontig_last, setter
+from helpers import POISON, assert_close, pick_slots, untouched_slots, noncontig_last, setter, sweep
 
 BACKENDS = ["reference", "triton"]
 
@@ -76,7 +76,7 @@ def run_case(backend, B, C, W, config=None, **case):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("B,C,W", [(4, 40, 4), (3, 96, 2), (2, 300, 3), (5, 17, 5)],
+@pytest.mark.parametrize("B,C,W", sweep([(4, 40, 4), (3, 96, 2), (2, 300, 3), (5, 17, 5)], keep=[0, 2]),
                          ids=["C40-W4", "C96-W2", "C300-W3-two-blocks", "C17-W5"])
 @pytest.mark.parametrize("layout", ["transposed", "contiguous", "interleaved"])
 def test_shapes_and_layouts(backend, B, C, W, layout):
@@ -84,9 +84,9 @@ def test_shapes_and_layouts(backend, B, C, W, layout):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("act_dtype,pool_dtype", [
+@pytest.mark.parametrize("act_dtype,pool_dtype", sweep([
     (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
-    (torch.float32, torch.bfloat16), (torch.float16, torch.float16)], ids=lambda d: str(d).replace("torch.", ""))
+    (torch.float32, torch.bfloat16), (torch.float16, torch.float16)], keep=2), ids=lambda d: str(d).replace("torch.", ""))
 def test_dtypes(backend, act_dtype, pool_dtype):
     run_case(backend, 4, 48, 4, act_dtype=act_dtype, pool_dtype=pool_dtype, seed=7)
 

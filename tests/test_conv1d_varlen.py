@@ -9,7 +9,7 @@ import kdakit
 from kdakit import reference
 from kdakit.ops.conv1d_varlen import Conv1dVarlenConfig, causal_conv1d_varlen, causal_conv1d_varlen_triton
 
-from helpers import POISON, assert_close, setter
+from helpers import POISON, assert_close, setter, sweep
 
 BACKENDS = ["reference", "triton"]
 F32, BF16 = torch.float32, torch.bfloat16
@@ -114,8 +114,8 @@ def check_case(backend, t, config=None, activation="silu"):
 # Against the float64 reference
 # ----------------------------------------------------------------------------
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("W", [2, 3, 4], ids=lambda w: f"W{w}")
-@pytest.mark.parametrize("act_dtype", [F32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("W", sweep([2, 3, 4], keep=[0, 2]), ids=lambda w: f"W{w}")
+@pytest.mark.parametrize("act_dtype", sweep([F32, BF16]), ids=["f32", "bf16"])
 def test_mixed_lengths_against_float64(backend, W, act_dtype):
     t = make_case(MIXED, 32, W, act_dtype=act_dtype, padding=(1,), out_of_range=(4,), bias=W != 3, seed=W)
     check_case(backend, t, config=SMALL_TILES if backend == "triton" else None)
@@ -131,7 +131,7 @@ def test_layouts(backend, x_layout, pool_layout):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("init", ["flags-none-given", "all", "none", "mixed"])
-@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+@pytest.mark.parametrize("bias", sweep([True, False]), ids=["bias", "no-bias"])
 def test_initial_states_and_bias(backend, init, bias):
     t = make_case([2, 7, 1, 3, 6], 16, 4, init=None if init == "flags-none-given" else init, bias=bias,
                   padding=(2,), seed=11)
@@ -150,7 +150,7 @@ def test_default_launch_config(backend):
     ([7, 5, 6, 1, 3, 10], Conv1dVarlenConfig(8, 32, 2)),                # first tokens just before a tile's end: spill
     ([0, 4, 0, 0, 9, 0], Conv1dVarlenConfig(4, 16, 1)),                 # empty sequences (nothing written for them)
 ], ids=["tile-edges", "all-length-1", "spill", "empty-sequences"])
-@pytest.mark.parametrize("W", [3, 4], ids=lambda w: f"W{w}")
+@pytest.mark.parametrize("W", sweep([3, 4]), ids=lambda w: f"W{w}")
 def test_tile_boundaries(lengths, config, W):
     t = make_case(lengths, 20, W, padding=(), seed=len(lengths) + W)
     check_case("triton", t, config=config)
@@ -164,8 +164,8 @@ TILE_SHAPES = [Conv1dVarlenConfig(1, 16, 1), Conv1dVarlenConfig(2, 16, 1, token_
                Conv1dVarlenConfig(32, 16, 1)]
 
 
-@pytest.mark.parametrize("W", [4, 8], ids=lambda w: f"W{w}")
-@pytest.mark.parametrize("x_layout", ["rows", "transposed"], ids=["x-TC", "x-CT-view"])
+@pytest.mark.parametrize("W", sweep([4, 8]), ids=lambda w: f"W{w}")
+@pytest.mark.parametrize("x_layout", sweep(["rows", "transposed"]), ids=["x-TC", "x-CT-view"])
 def test_tile_shapes_agree_bitwise(W, x_layout):
     """Every tile shape gives the float64 reference's numbers and the same bits as every other:
     sequences of length 0, shorter than W-1, starting in every position of a vector and running
@@ -230,8 +230,8 @@ def test_out_allocated_like_x(backend):
 # An independent oracle: one-token updates chained over each sequence
 # ----------------------------------------------------------------------------
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("W", [2, 3, 4], ids=lambda w: f"W{w}")
-@pytest.mark.parametrize("act_dtype", [F32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("W", sweep([2, 3, 4], keep=[2]), ids=lambda w: f"W{w}")
+@pytest.mark.parametrize("act_dtype", sweep([F32, BF16]), ids=["f32", "bf16"])
 def test_equals_chained_one_token_updates(backend, W, act_dtype):
     t = make_case(MIXED, 24, W, act_dtype=act_dtype, pool_layout="transposed", padding=(2,), seed=20 + W)
     x, conv, idx, init = t["x"], t["conv_state"], t["slot_indices"], t["has_initial_state"]

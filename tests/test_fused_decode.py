@@ -11,7 +11,7 @@ from kdakit.ops.fused_decode import FusedDecodeConfig, fused_decode, fused_decod
 from kdakit.ops.gated_rmsnorm import gated_rmsnorm
 from kdakit.ops.packed_decode import packed_decode
 
-from helpers import POISON, assert_close, kda_params, pick_slots, random_pool, tol_for, untouched_slots, noncontig_last, setter
+from helpers import POISON, assert_close, kda_params, pick_slots, random_pool, tol_for, untouched_slots, noncontig_last, setter, sweep
 
 BACKENDS = ["reference", "triton"]
 
@@ -122,33 +122,33 @@ def run_case(backend, H, HV, K, V, *, lower_bound=None, out_dtype=None, **case):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("H,HV,K,V", SHAPES)
-@pytest.mark.parametrize("norm", [True, False], ids=["norm", "no-norm"])
+@pytest.mark.parametrize("H,HV,K,V", sweep(SHAPES, keep=2))
+@pytest.mark.parametrize("norm", sweep([True, False]), ids=["norm", "no-norm"])
 def test_shapes(backend, H, HV, K, V, norm):
     run_case(backend, H, HV, K, V, norm=norm)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("act_dtype,state_dtype,conv_dtype", [
+@pytest.mark.parametrize("act_dtype,state_dtype,conv_dtype", sweep([
     (torch.float32, torch.float32, torch.float32),
     (torch.bfloat16, torch.float32, torch.bfloat16),
     (torch.bfloat16, torch.bfloat16, torch.bfloat16),
     (torch.float32, torch.bfloat16, torch.bfloat16),
     (torch.float16, torch.float16, torch.float32),
-], ids=lambda d: str(d).replace("torch.", ""))
+], keep=2), ids=lambda d: str(d).replace("torch.", ""))
 def test_dtypes(backend, act_dtype, state_dtype, conv_dtype):
     run_case(backend, 1, 2, 16, 24, act_dtype=act_dtype, state_dtype=state_dtype, conv_dtype=conv_dtype, seed=1)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("lower_bound", [None, -5.0, -1.0], ids=["default-gate", "safe-gate-5", "safe-gate-1"])
-@pytest.mark.parametrize("norm", [True, False], ids=["norm", "no-norm"])
+@pytest.mark.parametrize("lower_bound", sweep([None, -5.0, -1.0], keep=2), ids=["default-gate", "safe-gate-5", "safe-gate-1"])
+@pytest.mark.parametrize("norm", sweep([True, False]), ids=["norm", "no-norm"])
 def test_gates(backend, lower_bound, norm):
     run_case(backend, 2, 2, 16, 16, lower_bound=lower_bound, norm=norm, seed=2)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("W,transposed", [(2, True), (3, False), (4, True), (4, False), (5, True)],
+@pytest.mark.parametrize("W,transposed", sweep([(2, True), (3, False), (4, True), (4, False), (5, True)], keep=2),
                          ids=["W2-pool-transposed", "W3-pool-contiguous", "W4-pool-transposed",
                               "W4-pool-contiguous", "W5-pool-transposed"])
 def test_conv_widths_and_pool_layouts(backend, W, transposed):
@@ -163,12 +163,12 @@ def test_interleaved_pool_padding_and_out_dtype(backend):
     run_case(backend, 1, 2, 16, 16, batch=1, num_padding=0, seed=12)
 
 
-@pytest.mark.parametrize("act_dtype,H,HV,K,V,norm", [
+@pytest.mark.parametrize("act_dtype,H,HV,K,V,norm", sweep([
     pytest.param(torch.float32, 1, 4, 16, 32, True, id="fp32-gva-norm"),
     pytest.param(torch.float32, 1, 2, 24, 40, False, id="fp32-nonpow2-no-norm"),
     pytest.param(torch.bfloat16, 2, 4, 32, 16, False, id="bf16-gva-no-norm"),
     pytest.param(torch.bfloat16, 1, 2, 24, 40, True, id="bf16-nonpow2-norm"),
-])
+], keep=[0, 2]))
 def test_fused_equals_unfused_triton_chain(act_dtype, H, HV, K, V, norm):
     """causal_conv1d_update -> packed_decode -> gated_rmsnorm, all triton, sees the same numbers."""
     t, kw = make_case(H, HV, K, V, act_dtype=act_dtype, norm=norm, seed=13)
@@ -209,7 +209,7 @@ CONFIG_CASES = ([pytest.param(c, 2, 2, norm, id=config_id(c) + f"-H2-norm{int(no
 
 
 @pytest.mark.parametrize("V", [16, 20], ids=["V16", "V20-partial-last-tile"])
-@pytest.mark.parametrize("config,H,HV,norm", CONFIG_CASES)
+@pytest.mark.parametrize("config,H,HV,norm", sweep(CONFIG_CASES, keep=[0, 6, 16, 21]))
 def test_triton_configs(config, H, HV, norm, V):
     """Every split of V over programs and tiles computes the same thing, shifts each q/k
     window exactly once, leaves unused slots bitwise and the arrival counters at zero."""
@@ -230,7 +230,7 @@ def test_triton_configs(config, H, HV, norm, V):
     assert not arrival_counters(out.device, 5 * H).any(), "arrival counters must be back at zero"
 
 
-@pytest.mark.parametrize("H,HV,norm", [(2, 2, True), (1, 4, True), (2, 2, False)], ids=["H2-norm", "gva-norm", "H2"])
+@pytest.mark.parametrize("H,HV,norm", sweep([(2, 2, True), (1, 4, True), (2, 2, False)], keep=2), ids=["H2-norm", "gva-norm", "H2"])
 def test_large_batch_runs_the_unfused_chain(H, HV, norm, monkeypatch):
     """Past CHAIN_ABOVE_PAIRS (request, head) pairs the op runs conv update -> packed decode
     -> gated norm: same contract (float64 reference, windows, unused slots, padding zero)."""

@@ -6,7 +6,7 @@ import torch
 from kdakit import reference
 from kdakit.ops.gated_rmsnorm import gated_rmsnorm
 
-from helpers import POISON, assert_close, noncontig_last, setter
+from helpers import POISON, assert_close, noncontig_last, setter, sweep
 
 BACKENDS = ["reference", "triton"]
 
@@ -27,9 +27,9 @@ def sliced_rows(gen, T, HV, V, dtype, pad=5):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("shape", [(5, 24), (2, 1, 3, 40), (7, 128), (3, 100), (1, 1), (6, 2, 1, 17)],
+@pytest.mark.parametrize("shape", sweep([(5, 24), (2, 1, 3, 40), (7, 128), (3, 100), (1, 1), (6, 2, 1, 17)], keep=3, unpack=False),
                          ids=str)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("dtype", sweep([torch.float32, torch.bfloat16, torch.float16], keep=2), ids=str)
 def test_shapes_and_dtypes(backend, shape, dtype):
     gen = torch.Generator().manual_seed(len(shape) * 100 + shape[-1])
     x = torch.randn(shape, generator=gen).to(dtype)
@@ -54,7 +54,7 @@ def test_strided_rows_gate_from_wider_projection(backend):
     assert (wide_out[..., V:] == POISON).all(), "bytes outside `out` must stay"
 
 
-@pytest.mark.parametrize("config", [(1, 1), (2, 1), (4, 2), (8, 4)], ids=lambda c: "rows{}-warps{}".format(*c))
+@pytest.mark.parametrize("config", sweep([(1, 1), (2, 1), (4, 2), (8, 4)], keep=2, unpack=False), ids=lambda c: "rows{}-warps{}".format(*c))
 @pytest.mark.parametrize("V", [24, 128])
 def test_rows_per_program(config, V):
     """Several rows a program (a row count that no ROWS divides, rows over two strided

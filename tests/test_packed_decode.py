@@ -6,7 +6,7 @@ import kdakit
 from kdakit import reference
 from kdakit.compat.sglang import fused_recurrent_kda_packed_decode
 
-from helpers import POISON, assert_close, kda_params, pick_slots, random_pool, tol_for, untouched_slots
+from helpers import POISON, assert_close, kda_params, pick_slots, random_pool, tol_for, untouched_slots, sweep
 
 BACKENDS = ["reference", "triton"]
 
@@ -57,21 +57,21 @@ def run_case(backend, H, HV, K, V, *, batch=4, slots=7, num_padding=1, state_dty
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("H,HV,K,V", SHAPES)
+@pytest.mark.parametrize("H,HV,K,V", sweep(SHAPES, keep=2))
 def test_shapes(backend, H, HV, K, V):
     run_case(backend, H, HV, K, V)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("state_dtype", sweep([torch.float32, torch.bfloat16, torch.float16], keep=2), ids=str)
 @pytest.mark.parametrize("act_dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_dtypes(backend, state_dtype, act_dtype):
     run_case(backend, 1, 2, 16, 32, state_dtype=state_dtype, act_dtype=act_dtype, seed=1)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("lower_bound", [None, -5.0, -1.0], ids=["default-gate", "safe-gate-5", "safe-gate-1"])
-@pytest.mark.parametrize("use_qk_l2norm", [True, False], ids=["l2norm", "no-l2norm"])
+@pytest.mark.parametrize("lower_bound", sweep([None, -5.0, -1.0], keep=2), ids=["default-gate", "safe-gate-5", "safe-gate-1"])
+@pytest.mark.parametrize("use_qk_l2norm", sweep([True, False]), ids=["l2norm", "no-l2norm"])
 def test_gates_and_norm(backend, lower_bound, use_qk_l2norm):
     run_case(backend, 2, 2, 16, 16, lower_bound=lower_bound, use_qk_l2norm=use_qk_l2norm, seed=2)
 

@@ -28,12 +28,15 @@ def blocks(language):
 
 
 def commands():
+    """The lines of the ``bash`` blocks, and the ``python -m ...`` commands quoted in the prose."""
     lines = []
     for block in blocks("bash"):
         for line in block.splitlines():
             command = line.split("  #")[0].strip()
             if command:
                 lines.append(command)
+    prose = re.sub(r"```.*?```", "", README, flags=re.S)
+    lines += [c for c in re.findall(r"`(python -m [^`]+)`", prose) if c not in lines]
     return lines
 
 
@@ -73,7 +76,8 @@ COVERED = {
     '&& python -m kdakit demo': lambda: (_ci_runs("pip install -q torch==2.13.0")(),
                                          _ci_runs("pip install -q -e \".[test,helion,transformers]\"")(),
                                          _ci_runs("python -m kdakit demo")()),
-    "python -m pytest -q -n 2 tests": _ci_runs("python -m pytest -q -n 2 tests"),
+    "python -m pytest -q -n 2 tests": _ci_runs("python -m pytest -q -n 2 tests\n"),
+    "python -m pytest -q -n 2 tests --exhaustive": _ci_runs("python -m pytest -q -n 2 tests --exhaustive"),
     "pip install .": _ci_runs("python -m build"),  # CI builds the wheel and installs it in a fresh venv
     'pip install ".[sglang]"': _extra_exists("sglang"),
     'pip install ".[transformers]"': _extra_exists("transformers"),

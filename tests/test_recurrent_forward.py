@@ -11,7 +11,7 @@ from kdakit import backends, reference
 from kdakit.ops.recurrent_forward import RecurrentForwardConfig, recurrent_forward, recurrent_forward_triton
 
 from fla_oracle import fla_log_gate, fla_varlen
-from helpers import POISON, assert_close, kda_params, random_pool, tol_for
+from helpers import POISON, assert_close, kda_params, random_pool, tol_for, sweep
 
 BACKENDS = ["reference", "triton"]
 F64 = torch.float64
@@ -108,7 +108,7 @@ def run_case(backend, H, HV, K, V, *, seqlens=(3, 1, 0, 2), slots=7, slot_list=N
 # Against the float64 reference
 # ----------------------------------------------------------------------------
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("H,HV,K,V", SHAPES)
+@pytest.mark.parametrize("H,HV,K,V", sweep(SHAPES, keep=2))
 def test_shapes_varlen_with_padding_slot(backend, H, HV, K, V):
     # sequence 1 is a padding row (slot -1): zero outputs, no pool access; sequence 2 is empty.
     run_case(backend, H, HV, K, V, slot_list=[4, -1, 2, 0])
@@ -117,16 +117,16 @@ def test_shapes_varlen_with_padding_slot(backend, H, HV, K, V):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("raw_gate,lower_bound", [(False, None), (True, None), (True, -5.0)],
                          ids=["log-decay", "default-gate", "safe-gate"])
-@pytest.mark.parametrize("beta_is_logit", [True, False], ids=["beta-logit", "beta-prob"])
-@pytest.mark.parametrize("use_qk_l2norm", [True, False], ids=["l2norm", "no-l2norm"])
+@pytest.mark.parametrize("beta_is_logit", sweep([True, False]), ids=["beta-logit", "beta-prob"])
+@pytest.mark.parametrize("use_qk_l2norm", sweep([True, False]), ids=["l2norm", "no-l2norm"])
 def test_gates_beta_and_norm(backend, raw_gate, lower_bound, beta_is_logit, use_qk_l2norm):
     run_case(backend, 1, 2, 16, 24, seqlens=(2, 3), slot_list=[5, 1], raw_gate=raw_gate, lower_bound=lower_bound,
              beta_is_logit=beta_is_logit, use_qk_l2norm=use_qk_l2norm, with_token_states=False, seed=1)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("state_dtype,act_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32),
-                                                   (torch.float32, torch.bfloat16)], ids=str)
+@pytest.mark.parametrize("state_dtype,act_dtype", sweep([(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32),
+                                                   (torch.float32, torch.bfloat16)]), ids=str)
 def test_dtypes(backend, state_dtype, act_dtype):
     run_case(backend, 1, 2, 16, 16, seqlens=(2, 2), slot_list=[3, 6], state_dtype=state_dtype,
              act_dtype=act_dtype, seed=2)
@@ -274,7 +274,7 @@ def test_registered_backends_and_cpu_default():
     assert name in ("reference", "triton")  # triton only when KDAKIT_BACKEND forces it
 
 
-@pytest.mark.parametrize("config", [(4, 1), (32, 2), (8, 1, 2), (4, 1, 3), (4, 1, 3, 0), (4, 1, 3, 1, 1), (8, 1, 1, 1, 1)],
+@pytest.mark.parametrize("config", sweep([(4, 1), (32, 2), (8, 1, 2), (4, 1, 3), (4, 1, 3, 0), (4, 1, 3, 1, 1), (8, 1, 1, 1, 1)], keep=[0, 3], unpack=False),
                          ids=["bv4", "bv32", "bv8-tiles2", "bv4-tiles3", "bv4-tiles3-no-prefetch", "bv4-tiles3-tiles-first",
                               "bv8-tiles-first"])
 def test_triton_tile_configs(config):

@@ -11,7 +11,7 @@ import torch
 import kdakit
 from kdakit import reference
 
-from helpers import assert_close
+from helpers import assert_close, sweep
 
 BACKENDS = ["reference", "triton"]
 F64 = torch.float64
@@ -102,7 +102,7 @@ CASES = [  # (conv, norm, lower_bound, act, HV, K, V, T)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("conv,norm,lower_bound,act,HV,K,V,T", CASES)
+@pytest.mark.parametrize("conv,norm,lower_bound,act,HV,K,V,T", sweep(CASES, keep=2))
 def test_tree_verify_matches_float64_reference(backend, conv, norm, lower_bound, act, HV, K, V, T):
     p, d = make_problem(11, act=act, conv=conv, norm=norm, HV=HV, K=K, V=V, T=T)
     p["slot_indices"][1] = -1  # a padding row
@@ -377,7 +377,7 @@ TREE_CHUNK_CASES = [  # (conv, norm, lower_bound, act, HV, T, factored): the chu
 
 
 @pytest.mark.parametrize("from_inputs", [False, True], ids=["state-after-steps", "state-from-inputs"])
-@pytest.mark.parametrize("conv,norm,lower_bound,act,HV,T,factored", TREE_CHUNK_CASES)
+@pytest.mark.parametrize("conv,norm,lower_bound,act,HV,T,factored", sweep(TREE_CHUNK_CASES, keep=2))
 def test_ring_chunk_form_matches_reference_and_ring_commit_is_bitwise(conv, norm, lower_bound, act, HV, T, factored,
                                                                        from_inputs, monkeypatch):
     """Ring mode's chunk form (``mtp_verify.ring_form``: beyond a few requests; forced here):
