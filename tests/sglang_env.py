@@ -123,10 +123,16 @@ def import_sglang_kda():
     absent = [n for n in STUBBED_PACKAGES if importlib.util.find_spec(n) is None]
     finder = _InertFinder(absent + list(STUBBED_SGLANG))
     before = set(sys.modules)
+    # sglang/srt/utils/common.py rebinds triton.next_power_of_2 process-wide at import (its version
+    # gives 1 for 0); put Triton's back so that the other tests of this process see Triton's own.
+    import triton
+    triton_attrs = {name: getattr(triton, name) for name in ("next_power_of_2", "cdiv")}
     sys.meta_path.insert(0, finder)
     try:
         return {name: importlib.import_module(name) for name in MODULES}
     finally:
+        for name, value in triton_attrs.items():
+            setattr(triton, name, value)
         sys.meta_path.remove(finder)
         # The inert third-party modules leave sys.modules again (other tests must not find them);
         # sglang's modules keep the references they took.
