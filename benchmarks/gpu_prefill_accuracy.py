@@ -169,11 +169,13 @@ def implementations(L, lb, scale, pool):
     picked = chunk_config(N, HV, K, V, act_dtype=torch.bfloat16, T=T)
     impls = {}
 
-    def native(P):
-        out = torch.full_like(L["v"], float("nan"))
-        kdakit.chunk_prefill(L["q"], L["k"], L["v"], L["g"], L["beta"], P, idx, out=out, **common)
-        return out, P[idx.long()]
-    impls["kdakit.chunk_prefill"] = native
+    def native(op):
+        def call(P):
+            out = torch.full_like(L["v"], float("nan"))
+            op(L["q"], L["k"], L["v"], L["g"], L["beta"], P, idx, out=out, **common)
+            return out, P[idx.long()]
+        return call
+    impls["kdakit.chunk_prefill"] = native(kdakit.chunk_prefill)
 
     def forced(cfg):
         def call(P):
@@ -205,11 +207,7 @@ def implementations(L, lb, scale, pool):
         if cfg != picked:
             impls[f"kdakit.chunk_prefill[{name}]"] = forced(cfg)
 
-    def recurrent(P):
-        out = torch.full_like(L["v"], float("nan"))
-        kdakit.recurrent_forward(L["q"], L["k"], L["v"], L["g"], L["beta"], P, idx, out=out, **common)
-        return out, P[idx.long()]
-    impls["kdakit.recurrent_forward"] = recurrent
+    impls["kdakit.recurrent_forward"] = native(kdakit.recurrent_forward)
 
     def dropin_sglang(P):
         o = compat_sglang.chunk_kda(L["q"], L["k"], L["v"], L["g"], L["beta"], scale=scale, initial_state=P,
