@@ -22,6 +22,10 @@ def test_prefill_accuracy_script_calls_each_implementation_as_its_peer_takes_it(
     monkeypatch.setenv("KDAKIT_BACKEND", "reference")
     import gpu_prefill_accuracy as script
     from kdakit import reference
+    # (the peers' kernels need a GPU; importing sglang would also rebind triton's helpers for the
+    # other tests of this process)
+    monkeypatch.setattr(script, "sglang_peer", lambda: None)
+    monkeypatch.setattr(script, "fla_peer", lambda: None)
     monkeypatch.setattr(script, "K", 16)
     monkeypatch.setattr(script, "V", 16)
     L = script.make_inputs([40, 7], 2, regime, seed=1, device="cpu")
