@@ -7,6 +7,10 @@ pools that the state streams from HBM). Prints a table, writes JSON and a PNG pl
 against batch size with the device-to-device copy ceiling (matplotlib: ``pip install
 'kdakit[bench]'``). GPU only: without one it says so and exits 2.
 
+``--peers``: kdakit beside the kernels the user's engine ships (kdakit/bench/peers.py: sglang's,
+fla-core's), every row checked before it is timed; ``--peers --cpu-interpret`` runs its rows at
+tiny sizes through Triton's interpreter on a machine without a GPU.
+
 ``--prefill``: the chunked-prefill sweep instead (kdakit/bench/prefill.py: ms, tokens/s and
 TFLOP/s against fla's ``chunk_kda`` when fla-core is installed).
 """
@@ -31,6 +35,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--name", default="kdakit_bench", help="file name stem of the JSON and PNG")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--prefill", action="store_true", help="the chunked-prefill sweep (kdakit.chunk_prefill vs fla)")
+    p.add_argument("--peers", action="store_true", help="kdakit against the engine kernels installed here "
+                   "(sglang, fla-core): checks, then a table of times; --quick for a subset")
+    from . import peers
+    peers.add_arguments(p)
     p.add_argument("--cases", default=None, help="with --prefill: comma-separated cases (default: all; --quick: "
                    "1x2k,8x2k) from 1x2k, 1x8k, 1x32k, 8x2k, 64x512, mixed, 1x8k-H8, 8x2k-H8, 1x32k-H8")
 
@@ -157,6 +165,9 @@ def plot(results: dict, path: str) -> str | None:
 
 def main(args) -> int:
     import torch
+    if getattr(args, "peers", False):
+        from . import peers
+        return peers.main(args)
     if not torch.cuda.is_available():
         print("kdakit bench: no CUDA GPU here; the benchmark times the Triton kernels on a GPU. "
               "Run `kdakit demo` or `kdakit check` on this machine instead.", file=sys.stderr)
