@@ -5,7 +5,7 @@ q/k/v/gate/beta, float32 pool; both gates) and each input regime, every implemen
 on the same input tensors, each from a fresh copy of the same pool:
 
 - ``kdakit.chunk_prefill`` (the picked config, and forced variants that localise an error or
-  trade speed for accuracy: float32 update factors, split bf16 chain products, the float32
+  trade speed for accuracy: float32 update factors, the float32
   form, three-pass TF32, no chain pieces, outputs in the chain),
 - ``kdakit.recurrent_forward``,
 - ``kdakit.compat.sglang.chunk_kda`` (pool in place, sglang's keywords and ``A_log [1, 1, HV, 1]``),
@@ -189,9 +189,6 @@ def implementations(L, lb, scale, pool):
     f32_form = chunk_config(N, HV, K, V, act_dtype=torch.float32, T=T)  # float32 factors and products
     variants = {
         "update factors f32": ChunkConfig(**{**picked.__dict__, "update_factor_dtype": "float32"}),
-        "update factors f32, split bf16 products": ChunkConfig(**{**picked.__dict__, "update_factor_dtype": "float32",
-                                                                  "chain_dot_split": picked.chain_dot_dtype
-                                                                  == "bfloat16"}),
         "float32 form, tf32": ChunkConfig(**{**f32_form.__dict__, "dot_precision": "tf32"}),
         "float32 form, tf32, q factor bf16": ChunkConfig(**{**f32_form.__dict__, "dot_precision": "tf32",
                                                             "factor_dtype": "bfloat16",

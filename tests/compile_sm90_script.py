@@ -198,16 +198,15 @@ for chain_dots in ("bfloat16", "float32"):  # the products by K slice; the outpu
                                             outputs="after_chain"))
     assert COMPILED_FOR_TARGET[-3:] == ["_chunk_prep_kernel", "_chunk_state_kernel", "_chunk_output_kernel"], \
         COMPILED_FOR_TARGET[-3:]
-# the state update's factors in float32 beside bf16 q̂ ⊙ e^Γ, with bf16 (plain and split) and float32
-# chain products
-for chain_dots, split in (("bfloat16", False), ("bfloat16", True), ("float32", False)):
+# the state update's factors in float32 beside bf16 q̂ ⊙ e^Γ, with bf16 and float32 chain products
+for chain_dots in ("bfloat16", "float32"):
     chunk_prefill_triton(*(x.to(bf) for x in xp), state, torch.tensor([1, 2], dtype=torch.int32),
                          torch.empty(1, Tp, HV, V, dtype=bf), cu_seqlens=cu_p, scale=0.1, use_qk_l2norm=True,
                          A_log=A_log, dt_bias=dt_bias, lower_bound=None, beta_mode=1, has_initial_state=None,
                          chunk_states=None, chunk_state_indices=None,
                          config=ChunkConfig(block_v=32, state_warps=8, split_prep=True, split_rest=True,
                                             qk_from_input=True, factor_dtype="bfloat16", update_factor_dtype="float32",
-                                            chain_dot_dtype=chain_dots, chain_dot_split=split, inverse="doubling",
+                                            chain_dot_dtype=chain_dots, inverse="doubling",
                                             diagonal_programs=True, products="block_programs", factor_programs=True))
     assert COMPILED_FOR_TARGET[-1] == "_chunk_state_kernel", COMPILED_FOR_TARGET[-4:]
 # the products a program per column block, the factors a program per slice; P stored in bf16;

@@ -87,6 +87,8 @@ def test_decode_rows_and_summaries(monkeypatch):
     assert {r["op"] for r in dec} == {"packed_decode_fp32", "packed_decode_bf16", "eager_host", "eager_host_dropin"}
     assert [r for r in dec if r["op"] == "eager_host_dropin"][0]["kdakit"] == eager["kdakit_dropin"]
     assert sums["extend_vs_peers"]["rows"] == []
+    md = peers.markdown_lines(result)
+    assert md[2].startswith("| op | case |") and len(md) == 4 + len(result["rows"])
     text = "\n".join(peers.table_lines(result))
     assert "packed_decode_fp32" in text and "eager_host" in text
 

@@ -85,6 +85,8 @@ COVERED = {
     "python -m kdakit check": _ci_runs("python -m kdakit check"),
     "python -m kdakit bench": lambda: _kdakit_exits_2_without_a_gpu("bench", "--quick"),
     "python -m kdakit bench --prefill": lambda: _kdakit_exits_2_without_a_gpu("bench", "--prefill", "--quick"),
+    "python -m kdakit bench --peers": lambda: _kdakit_exits_2_without_a_gpu("bench", "--peers", "--quick"),
+    "python -m kdakit bench --peers --cpu-interpret": _ci_runs("python -m kdakit bench --peers --cpu-interpret"),
     "export SGLANG_PLUGINS=kdakit": _plugin_entry_point,
 }
 

@@ -400,6 +400,27 @@ def table_lines(result) -> list[str]:
     return lines
 
 
+def markdown_lines(result) -> list[str]:
+    """The README's performance table from a run's record: each row's kdakit time, each peer's,
+    the floor and kdakit's speed against the best peer (above 1: kdakit faster)."""
+    env = result["env"]
+    lines = [f"{env.get('gpu') or env.get('device')}, {str(env.get('date', ''))[:10]}, copy ceiling "
+             f"{result.get('copy_ceiling_GBps', '—')} GB/s; `{env.get('command', '')}`", "",
+             "| op | case | unit | floor | kdakit | sglang | fla | kdakit vs best peer |",
+             "|---|---|---|---|---|---|---|---|"]
+
+    def cell(v):
+        return "—" if v is None else f"{v:.4g}"
+    for row in result["rows"]:
+        peers = [row[n] for n in ("sglang", "fla") if row.get(n)]
+        ratio = f"{min(peers) / row['kdakit']:.2f}x" if peers and row.get("kdakit") else "—"
+        case = row["case"] + (f", gate {row['gate']}" if row.get("gate") is not None else "")
+        kd = cell(row.get("kdakit")) + (f" (drop-in {cell(row['kdakit_dropin'])})" if "kdakit_dropin" in row else "")
+        lines.append(f"| {row['op']} | {case} | {row['unit']} | {cell(row.get('floor'))} | {kd} | "
+                     f"{cell(row.get('sglang'))} | {cell(row.get('fla'))} | {ratio} |")
+    return lines
+
+
 def gpu_tag(name: str | None) -> str:
     name = (name or "cpu").lower()
     for tag in ("h100", "h200", "h20", "b200", "a100", "l40s"):

@@ -54,21 +54,10 @@ def _chain_dot(a, b, acc, BF16_DOTS: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """``acc + a @ b`` (``a @ b`` when ``acc`` is None) as the chain takes it: bf16 operands
     with ``BF16_DOTS`` (float32 accumulation; a float32 operand, the state's included, is
     rounded for the product alone), else float32 operands at ``DOT_PRECISION``. ``BF16_DOTS``
-    1: native bf16 dots; 2: their emulation (``_bf16_dot``); 3 and 4: the same with each
-    float32 operand split in two bf16 parts, ``x = hi + lo`` (``ChunkConfig.chain_dot_split``):
-    one more product per float32 operand, which then enters with about 16 bits of mantissa
-    instead of 8 (operands stored in bf16 have no low part and take no extra product)."""
+    1: native bf16 dots; 2: their emulation (``_bf16_dot``)."""
     if BF16_DOTS >= 1:
-        EMULATE: tl.constexpr = BF16_DOTS == 2 or BF16_DOTS == 4
-        a16 = a.to(tl.bfloat16)
-        b16 = b.to(tl.bfloat16)
-        r = _bf16_dot(a16, b16, acc, EMULATE)
-        if BF16_DOTS >= 3:
-            if a.dtype == tl.float32:
-                r = _bf16_dot((a - a16.to(tl.float32)).to(tl.bfloat16), b16, r, EMULATE)
-            if b.dtype == tl.float32:
-                r = _bf16_dot(a16, (b - b16.to(tl.float32)).to(tl.bfloat16), r, EMULATE)
-        return r
+        EMULATE: tl.constexpr = BF16_DOTS == 2
+        return _bf16_dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc, EMULATE)
     return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision=DOT_PRECISION)
 
 

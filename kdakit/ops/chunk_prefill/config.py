@@ -69,9 +69,6 @@ class ChunkConfig:
     chain_dot_dtype: str = "float32"  # the state kernel's products: "bfloat16" operands (the state and the
     #                                  factors rounded for the product; float32 accumulation and state),
     #                                  on V tiles of BF16_DOTS_MIN_BLOCK_V rows or more
-    chain_dot_split: bool = False    # with bf16 chain products: each float32 operand (the state, U, float32
-    #                                  factors) as two bf16 parts, hi + lo, one more product each: about 16
-    #                                  mantissa bits of the state in the products instead of 8
     inverse: str = "substitution"    # (I + A)^-1 below its 16 x 16 diagonal blocks: "substitution" (block
     #                                  row by block row, 16-row products) or "doubling" (16 -> 32 -> 64:
     #                                  one pair of products per level on 16- then 32-row blocks)
@@ -111,9 +108,6 @@ class ChunkConfig:
         for name in ("prep_warps", "state_warps", "output_warps", "lower_block_warps"):
             if getattr(self, name) not in (1, 2, 4, 8, 16):
                 raise ValueError(f"ChunkConfig.{name} must be a power of two up to 16 (got {getattr(self, name)!r}).")
-        if self.chain_dot_split and self.chain_dot_dtype != "bfloat16":
-            raise ValueError("ChunkConfig.chain_dot_split needs chain_dot_dtype='bfloat16' (it splits float32 "
-                             "operands into bf16 parts for bf16 products).")
         if self.qk_pairs_dtype == "bfloat16" and self.chain_dot_dtype != "bfloat16":
             raise ValueError("ChunkConfig.qk_pairs_dtype='bfloat16' needs chain_dot_dtype='bfloat16' (P is stored "
                              "rounded as the bf16 chain products take it; float32 products would see the rounding).")

@@ -116,8 +116,6 @@ def chunk_prefill_triton(q, k, v, g, beta, state, slot_indices, out, *, cu_seqle
     # in the dtype its products take (bf16 with bf16 products) for _chunk_output_kernel.
     after = cfg.outputs == "after_chain" and cfg.chain_pieces <= 1
     bf16_dots = (2 if interpreting() else 1) if cfg.chain_dot_dtype == "bfloat16" else 0
-    if bf16_dots and cfg.chain_dot_split:
-        bf16_dots += 2  # _chain_dot's split forms
     h_dtype = torch.bfloat16 if bf16_dots else torch.float32
     ws_h = torch.empty(max_chunks * HV, BVW, BK, dtype=h_dtype, device=dev) if after else ws_g
     ws_v = torch.empty(rows, BVW, dtype=h_dtype, device=dev) if after else ws_g
