@@ -43,7 +43,7 @@ def _rows(result, op):
 def test_verify_rows_agree_with_sglang(sglang_kernels, monkeypatch):
     """sglang's target verify (snapshots, its ring write; trees through parent tokens) runs in
     the interpreter: kdakit's outputs and snapshots agree with it on every chain and the tree."""
-    result = _run(("verify",), monkeypatch)
+    result = _run(("verify",), monkeypatch, dataclasses.replace(peers.CPU, chain_drafts=(3,)))
     rows = result["rows"]
     assert {r["op"] for r in rows} == {"chain_snapshot", "chain_ring", "tree_snapshot", "tree_ring"}
     for row in rows:
@@ -128,3 +128,15 @@ def test_the_cpu_interpret_command(tmp_path):
                                                    "chunk_prefill"}
     assert (tmp_path / "extend_vs_peers_cpu.json").exists() and (tmp_path / "decode_vs_peers_cpu.json").exists()
     assert "kdakit vs best peer" in proc.stdout
+
+
+@pytest.mark.exhaustive
+def test_eager_rows(monkeypatch):
+    """One host-time cell for each other public op, each call run."""
+    result = _run(("eager",), monkeypatch)
+    assert [r["case"] for r in result["rows"]] == ["mtp_verify", "tree_verify", "fused_decode", "recurrent_forward",
+                                                    "chunk_prefill", "causal_conv1d_varlen"]
+    for row in result["rows"]:
+        assert row["kdakit"] is not None and row["kdakit"] > 0, row
+    ops = {r["op"] for r in peers.summaries(result)["decode_vs_peers"]["rows"]}
+    assert "eager_host_chunk_prefill" in ops

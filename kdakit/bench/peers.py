@@ -9,7 +9,8 @@ on its own inputs and pools:
   kernel, fla-core's ``fused_recurrent_kda_fwd``; floor = the state read and written at the
   copy ceiling;
 - eager host cost of one packed-decode call at N = 1 (back to back, one sync at the end):
-  ``kdakit.packed_decode``, the sglang drop-in ``kdakit.compat.sglang``, sglang, fla;
+  ``kdakit.packed_decode``, the sglang drop-in ``kdakit.compat.sglang``, sglang, fla; and of one
+  call of each other public op at a small size (``eager`` group);
 - chain verify (1, 3, 7 drafted tokens; also 15 beside the 16-node tree) in snapshot and ring
   modes, tree verify (8 and 16 nodes, EAGLE top-2) in both modes, against sglang's target
   verify (snapshots, or its ReplaySSM ring write); floors: the state read plus the snapshots
@@ -254,6 +255,44 @@ def decode_rows(r: Runner):
         "fla": (lambda seed: pc.packed_decode_fla(fla, mk1(seed), H)) if fla else r.peers["fla"]})
 
 
+def eager_rows(r: Runner):
+    """Host µs of one eager call of the other public ops at a small size (engines run the
+    extend path and warm-ups eagerly, many layers a step)."""
+    import kdakit
+    s, dev = r.s, r.s.device
+    H = HV = s.H
+    K = V = s.K
+
+    def verify(seed):
+        L = inputs.mtp_verify_inputs(1, 4, H, HV, K, V, conv=False, mode="snapshot", seed=seed, device=dev)
+        return pc.verify_kdakit(L, "snapshot")
+
+    def tree(seed):
+        L = inputs.mtp_verify_inputs(1, 4, H, HV, K, V, conv=False, mode="snapshot", seed=seed, device=dev)
+        return pc.verify_kdakit(L, "snapshot", torch.tensor([[-1, 0, 0, 1]], dtype=torch.int32, device=dev))
+
+    def fused(seed):
+        L = inputs.fused_decode_inputs(1, H, HV, K, V, W=s.W, seed=seed, device=dev)
+        return pc.Call(lambda: kdakit.fused_decode(L["qkv"], L["conv_weight"], L["conv_state"], L["a"], L["b"],
+                                                   L["A_log"], L["dt_bias"], L["state"], L["idx"],
+                                                   norm_gate=L["norm_gate"], norm_weight=L["norm_weight"],
+                                                   out=L["out"]), lambda: {"out": L["out"]})
+
+    def recurrent(seed):
+        L = inputs.varlen_inputs([1], H, HV, K, V, seed=seed, device=dev)
+        return pc.Call(lambda: kdakit.recurrent_forward(L["q"], L["k"], L["v"], L["g"], L["beta"], L["state"], L["idx"],
+                                                        cu_seqlens=L["cu"], A_log=L["A_log"], dt_bias=L["dt_bias"],
+                                                        beta_is_logit=True, out=L["out"]), lambda: {"out": L["out"]})
+    for op, make in (("mtp_verify", verify), ("tree_verify", tree), ("fused_decode", fused),
+                     ("recurrent_forward", recurrent),
+                     ("chunk_prefill", lambda seed: pc.prefill_kdakit(inputs.varlen_inputs([64], H, HV, K, V, seed=seed,
+                                                                                           device=dev), None)),
+                     ("causal_conv1d_varlen", lambda seed: pc.conv_kdakit(pc.conv_inputs([64], 3 * H * K, s.W,
+                                                                                         x_layout="rows", seed=seed,
+                                                                                         device=dev)))):
+        r.eager_cell("eager_host", op, {"kdakit": make})
+
+
 def _top2_parents(T):
     parents, level = [-1], 1
     while len(parents) < T:
@@ -327,7 +366,8 @@ def prefill_rows(r: Runner):
             r.cell("chunk_prefill", name, impls, moved, unit="ms" if dev == "cuda" else "us", gate=gate, tokens=T)
 
 
-GROUPS = {"decode": decode_rows, "verify": verify_rows, "conv": conv_rows, "prefill": prefill_rows}
+GROUPS = {"decode": decode_rows, "eager": eager_rows, "verify": verify_rows, "conv": conv_rows,
+          "prefill": prefill_rows}
 
 
 # ------------------------------------------------------------------------------------------
@@ -444,9 +484,11 @@ def summaries(result) -> dict:
             extend.append(pick(row, op="conv", case=row["case"], gate=None))
         elif row["op"] == "chunk_prefill":
             extend.append(pick(row, op="chunk_prefill", case=row["case"], gate=row.get("gate")))
-        elif row["op"] == "eager_host":
+        elif row["op"] == "eager_host" and row["case"] == "N=1":
             decode.append(pick(row, op="eager_host", N=1, nodes=None))
             decode.append({**pick(row, op="eager_host_dropin", N=1, nodes=None), "kdakit": row.get("kdakit_dropin")})
+        elif row["op"] == "eager_host":
+            decode.append(pick(row, op=f"eager_host_{row['case']}", N=1, nodes=None))
         else:
             decode.append(pick(row, op=row["op"], N=row.get("N"), nodes=row.get("nodes")))
     return {"extend_vs_peers": {**head, "rows": extend}, "decode_vs_peers": {**head, "rows": decode}}
