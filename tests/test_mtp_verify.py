@@ -583,3 +583,98 @@ def test_long_chains_loop_over_their_steps():
     assert UNROLL_STEPS_MAX == 8
     assert mtp_verify_config(64, 8, 32, 128, 128, None).unroll_steps
     assert not mtp_verify_config(64, 9, 32, 128, 128, None).unroll_steps
+
+
+def packed_views(p, d, *, gate_pad=8):
+    """The problem's q, k, v as splits of one packed ``[N*T, q|k|v]`` projection (sglang's layout
+    after its conv: one token stride for all three), ``a`` a slice of a wider projection and ``b``
+    a row-strided view: the same values, no tensor contiguous."""
+    N, T, H, HV, K, V = (d[n] for n in ("N", "T", "H", "HV", "K", "V"))
+    packed = torch.cat([p["q"].reshape(N * T, -1), p["k"].reshape(N * T, -1), p["v"].reshape(N * T, -1)], dim=1)
+    q, k, v = packed.split([H * K, H * K, HV * V], dim=1)
+    wide_a = torch.cat([p["a"].reshape(N * T, -1), torch.full((N * T, gate_pad), 7.0, dtype=p["a"].dtype)], dim=1)
+    wide_b = torch.cat([p["b"].reshape(N * T, -1), torch.full((N * T, 3), 7.0, dtype=p["b"].dtype)], dim=1)
+    views = dict(q=q.reshape(N, T, H, K), k=k.reshape(N, T, H, K), v=v.reshape(N, T, HV, V),
+                 a=wide_a[:, :HV * K].reshape(N, T, HV, K), b=wide_b[:, :HV].reshape(N, T, HV))
+    assert not any(t.is_contiguous() for t in views.values())
+    for name, t in views.items():
+        assert torch.equal(t, p[name])
+    return views
+
+
+@pytest.mark.parametrize("mode,conv", [("snapshot", False), ("ring-recurrent", False), ("ring-chunked", False),
+                                       ("snapshot", True)])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_verify_on_token_strided_views_equals_dense_inputs_bitwise(mode, conv, backend, use_ring_form):
+    """q, k, v, a, b as views of packed projections (one stride between tokens): the recurrence
+    reads them in place, the conv prologue and the ring chunk form from dense copies; outputs,
+    snapshots or rings, and windows are the bits of the same call on contiguous inputs."""
+    if mode.startswith("ring"):
+        use_ring_form(mode.split("-")[1])
+    p, d = make_problem(71, N=3, T=4, conv=conv)
+    strided = {**p, **packed_views(p, d)}
+    got = {}
+    for name, inputs in (("dense", p), ("strided", strided)):
+        bufs = fresh_buffers(d, mode="ring" if mode.startswith("ring") else "snapshot")
+        out = call_verify(inputs, bufs, conv=conv, lower_bound=-3.0, backend=backend)
+        got[name] = [out, *bufs.get("rings", ()), *([bufs["snapshots"]] if "snapshots" in bufs else []),
+                     *(bufs["intermediate_conv"] if conv else ())]
+    for x, y in zip(got["dense"], got["strided"]):
+        assert torch.equal(x, y)
+
+
+def test_verify_refuses_tokens_not_one_stride_apart():
+    """A view whose requests are not T tokens apart (here: every other request of a batch) is
+    refused before anything runs; a tree verify still takes contiguous inputs only."""
+    p, d = make_problem(72, N=3, T=3, conv=False)
+    bufs = fresh_buffers(d, mode="snapshot")
+    before = bufs["snapshots"].clone()
+    gapped = torch.cat([p["q"], p["q"]], dim=1)[:, :3]          # request stride 2T tokens
+    assert gapped.stride(0) != 3 * gapped.stride(1)
+    with pytest.raises(ValueError, match="`q` must hold its N\\*T tokens one stride apart"):
+        kdakit.mtp_verify(gapped, p["k"], p["v"], p["a"], p["b"], p["A_log"], p["dt_bias"], p["state"],
+                          p["slot_indices"], p["scratch_indices"], snapshots=bufs["snapshots"])
+    heads_apart = torch.cat([p["v"], p["v"]], dim=3)[..., :d["V"]]  # heads not dense
+    with pytest.raises(ValueError, match="`v` must hold its N\\*T tokens one stride apart"):
+        kdakit.mtp_verify(p["q"], p["k"], heads_apart, p["a"], p["b"], p["A_log"], p["dt_bias"], p["state"],
+                          p["slot_indices"], p["scratch_indices"], snapshots=bufs["snapshots"])
+    assert torch.equal(bufs["snapshots"], before)
+    views = packed_views(p, d)
+    parents = torch.tensor([[-1, 0, 1]] * 3, dtype=torch.int32)
+    with pytest.raises(ValueError, match="`q` must be contiguous"):
+        kdakit.tree_verify(views["q"], p["k"], p["v"], p["a"], p["b"], p["A_log"], p["dt_bias"], p["state"],
+                           p["slot_indices"], p["scratch_indices"], parents, snapshots=bufs["snapshots"])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sglang_chain_target_verify_runs_the_chain_kernel_on_its_views(backend, monkeypatch):
+    """sglang's chain target verify (``retrieve_parent_token=None``) through the drop-in: the
+    chain op on sglang's packed views (no copy of q, k, v, a, b), equal to ``kdakit.mtp_verify``
+    on dense inputs bitwise, and to the tree op with chain parents within rounding."""
+    from kdakit.compat import sglang_tree
+    from kdakit.ops import mtp_verify as mtp_module
+    monkeypatch.setenv("KDAKIT_BACKEND", backend)
+    p, d = make_problem(73, N=3, T=4, conv=False)
+    N, T, H, HV, K, V = (d[n] for n in ("N", "T", "H", "HV", "K", "V"))
+    views = packed_views(p, d)
+    seen = []
+    real = mtp_module.mtp_verify
+    monkeypatch.setattr(sglang_tree, "mtp_verify", lambda *a, **kw: seen.append(a[:5]) or real(*a, **kw))
+    snaps = torch.full((d["scratch"], T, HV, V, K), 7.0)
+    cu = torch.arange(0, N * T + 1, T, dtype=torch.int32)
+    o = sglang_tree.fused_sigmoid_gating_delta_rule_update(
+        p["A_log"], views["a"].reshape(N * T, HV * K), p["dt_bias"], 1.0, 20.0, views["q"].reshape(1, N * T, H, K),
+        views["k"].reshape(1, N * T, H, K), views["v"].reshape(1, N * T, HV, V), views["b"].reshape(1, N * T, HV),
+        p["state"], p["slot_indices"], use_qk_l2norm_in_kernel=True, cu_seqlens=cu, is_kda=True, lower_bound=-3.0,
+        disable_state_update=True, intermediate_states_buffer=snaps, intermediate_state_indices=p["scratch_indices"],
+        cache_steps=T, retrieve_parent_token=None)
+    assert len(seen) == 1 and not any(t.is_contiguous() for t in seen[0])  # the views reached the op as they were
+    want_snaps = torch.full_like(snaps, 7.0)
+    want = kdakit.mtp_verify(p["q"], p["k"], p["v"], p["a"], p["b"], p["A_log"], p["dt_bias"], p["state"],
+                             p["slot_indices"], p["scratch_indices"], snapshots=want_snaps, lower_bound=-3.0)
+    assert torch.equal(o.view(N, T, HV, V), want) and torch.equal(snaps, want_snaps)
+    tree_snaps = torch.full_like(snaps, 7.0)
+    tree = kdakit.tree_verify(p["q"], p["k"], p["v"], p["a"], p["b"], p["A_log"], p["dt_bias"], p["state"],
+                              p["slot_indices"], p["scratch_indices"], torch.arange(-1, T - 1).expand(N, T).contiguous(),
+                              snapshots=tree_snaps, lower_bound=-3.0)
+    assert_close(o.view(N, T, HV, V).float(), tree.float(), 2e-2)

@@ -12,8 +12,9 @@ same names, keyword names and defaults, returns.
 - ``fused_sigmoid_gating_delta_rule_update(...)`` with ``is_kda=True`` in target-verify
   mode (``intermediate_states_buffer``, ``intermediate_state_indices``,
   ``disable_state_update=True``): ``kdakit.tree_verify`` in snapshot mode with
-  ``retrieve_parent_token`` as the parents (node 0 always from the committed state), or a
-  chain when it is None.
+  ``retrieve_parent_token`` as the parents (node 0 always from the committed state), or, when
+  it is None, ``kdakit.mtp_verify`` (the chain kernel) on the caller's q, k, v, a, b views as
+  they are (one token stride each: no copies).
 
 Modes kdakit does not implement raise a ValueError that says so (plain decode and
 prefill have their own kdakit entries; ``match_cutedsl_decode=True``, sglang's bit-parity
@@ -29,6 +30,7 @@ from .. import reference
 from ..backends import forced_backend, triton_runs_on
 from ..ops.conv1d_update import causal_conv1d_update as _conv_update_one_token
 from ..ops.tree_conv import tree_conv_channels
+from ..ops.mtp_verify import mtp_verify
 from ..ops.tree_verify import tree_verify
 
 PAD_SLOT_ID = -1
@@ -183,14 +185,19 @@ def fused_sigmoid_gating_delta_rule_update(A_log, a, dt_bias, softplus_beta, sof
         T = T_all // N
     else:
         N, T = B, T_all
-    if retrieve_parent_token is not None:
-        if retrieve_parent_token.dim() != 2 or retrieve_parent_token.shape[0] != N or \
-                retrieve_parent_token.shape[1] < T:
-            raise ValueError(f"`retrieve_parent_token` must be [N={N}, >={T}] (got {tuple(retrieve_parent_token.shape)}).")
-        parents = retrieve_parent_token[:, :T].contiguous()
-    else:
-        parents = (torch.arange(T, dtype=torch.int32, device=q.device) - 1).expand(N, T).contiguous()
     out = torch.empty(v.shape, dtype=q.dtype, device=q.device)
+    if retrieve_parent_token is None:
+        # A chain: kdakit's chain verify, on the caller's views as they are (sglang's q, k, v are
+        # splits of its packed projection: one token stride, no copy).
+        mtp_verify(q.reshape(N, T, H, K), k.reshape(N, T, H, K), v.reshape(N, T, HV, V), a.reshape(N, T, HV, K),
+                   b.reshape(N, T, HV), A_log, dt_bias.reshape(-1), initial_state_source, initial_state_indices,
+                   intermediate_state_indices, snapshots=intermediate_states_buffer, scale=scale,
+                   lower_bound=lower_bound, out=out.view(N, T, HV, V))
+        return out
+    if retrieve_parent_token.dim() != 2 or retrieve_parent_token.shape[0] != N or \
+            retrieve_parent_token.shape[1] < T:
+        raise ValueError(f"`retrieve_parent_token` must be [N={N}, >={T}] (got {tuple(retrieve_parent_token.shape)}).")
+    parents = retrieve_parent_token[:, :T].contiguous()
     tree_verify(q.reshape(N, T, H, K).contiguous(), k.reshape(N, T, H, K).contiguous(),
                 v.reshape(N, T, HV, V).contiguous(), a.reshape(N, T, HV, K).contiguous(),
                 b.reshape(N, T, HV).contiguous(), A_log, dt_bias.reshape(-1), initial_state_source,

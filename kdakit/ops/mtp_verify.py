@@ -35,20 +35,28 @@ from .verify_conv import VerifyConvConfig, verify_conv, verify_conv_config
 
 
 @triton.jit
+def _load_token(x_q, x_k, x_v, a, b, t, tok, s_q, s_k, s_v, s_a, s_b, i_hv, ch_qk, ch_v, offs_k, mask_k, mask_v,
+                bias, A_log_h, lower_bound, K: tl.constexpr, SAFE_GATE: tl.constexpr):
+    """Step t's post-conv q, k, v, its log-decay g and β, float32, from token ``tok`` of
+    ``a`` and ``b`` and step ``t`` after the request's first token ``x_*``, each tensor's
+    tokens ``s_*`` elements apart. Read as 1-D rows, the way the ring commit reads its rows,
+    so both hold k in the same register layout and its L2 norm rounds alike."""
+    q_t = tl.load(x_q + t * s_q + ch_qk, mask=mask_k, other=0.0).to(tl.float32)
+    k_t = tl.load(x_k + t * s_k + ch_qk, mask=mask_k, other=0.0).to(tl.float32)
+    v_t = tl.load(x_v + t * s_v + ch_v, mask=mask_v, other=0.0).to(tl.float32)
+    a_t = tl.load(a + tok * s_a + i_hv * K + offs_k, mask=mask_k, other=0.0)
+    g_t = kda_log_decay(a_t.to(tl.float32), bias, A_log_h, lower_bound, SAFE_GATE)
+    beta_t = tl.sigmoid(tl.load(b + tok * s_b + i_hv).to(tl.float32))
+    return q_t, k_t, v_t, g_t, beta_t
+
+
+@triton.jit
 def _load_step(x_q, x_k, x_v, a, b, t, n64, i_hv, ch_qk, ch_v, offs_k, mask_k, mask_v, bias, A_log_h, lower_bound,
                T: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                SAFE_GATE: tl.constexpr):
-    """Step t's post-conv q, k, v, its log-decay g and β, float32. Read as 1-D rows, the way
-    the ring commit reads its rows, so both hold k in the same register layout and its L2
-    norm rounds alike."""
-    tok = n64 * T + t
-    q_t = tl.load(x_q + t * H * K + ch_qk, mask=mask_k, other=0.0).to(tl.float32)
-    k_t = tl.load(x_k + t * H * K + ch_qk, mask=mask_k, other=0.0).to(tl.float32)
-    v_t = tl.load(x_v + t * HV * V + ch_v, mask=mask_v, other=0.0).to(tl.float32)
-    a_t = tl.load(a + (tok * HV + i_hv) * K + offs_k, mask=mask_k, other=0.0)
-    g_t = kda_log_decay(a_t.to(tl.float32), bias, A_log_h, lower_bound, SAFE_GATE)
-    beta_t = tl.sigmoid(tl.load(b + tok * HV + i_hv).to(tl.float32))
-    return q_t, k_t, v_t, g_t, beta_t
+    """``_load_token`` of dense ``[N, T, ...]`` tokens (request ``n64``, step ``t``)."""
+    return _load_token(x_q, x_k, x_v, a, b, t, n64 * T + t, H * K, H * K, HV * V, HV * K, HV, i_hv, ch_qk, ch_v,
+                       offs_k, mask_k, mask_v, bias, A_log_h, lower_bound, K, SAFE_GATE)
 
 
 @triton.jit
@@ -82,7 +90,7 @@ def _mtp_verify_kernel(
     q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, out,
     snapshots, ring_k, ring_v, ring_g, ring_beta, errors,
     stride_state_slot, s_snap_row, s_snap_t, s_rk_slot, s_rv_slot, s_rg_slot, s_rb_slot, ring_len,
-    num_slots, num_rows, scale, lower_bound,
+    s_q, s_k, s_v, s_a, s_b, num_slots, num_rows, scale, lower_bound,
     T: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
     SNAPSHOT: tl.constexpr, RING: tl.constexpr, SAFE_GATE: tl.constexpr,
@@ -113,9 +121,9 @@ def _mtp_verify_kernel(
     S = tl.load(s_ptrs, mask=mask_s, other=0.0).to(tl.float32)
 
     n64 = i_n.to(tl.int64)
-    x_q = q + n64 * T * H * K                     # this request's token 0, channel 0
-    x_k = k + n64 * T * H * K
-    x_v = v + n64 * T * HV * V
+    x_q = q + n64 * T * s_q                       # this request's token 0, channel 0 (s_*: token strides)
+    x_k = k + n64 * T * s_k
+    x_v = v + n64 * T * s_v
     ch_qk = i_h * K + offs_k
     ch_v = i_hv * V + offs_v
     bias = tl.load(dt_bias + i_hv * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
@@ -123,14 +131,14 @@ def _mtp_verify_kernel(
     if WAIT_FOR_TOKENS:
         gdc_wait()
 
-    nxt = _load_step(x_q, x_k, x_v, a, b, 0, n64, i_hv, ch_qk, ch_v, offs_k, mask_k, mask_v, bias, A_log_h,
-                     lower_bound, T, H, HV, K, V, SAFE_GATE)
+    nxt = _load_token(x_q, x_k, x_v, a, b, 0, n64 * T, s_q, s_k, s_v, s_a, s_b, i_hv, ch_qk, ch_v, offs_k, mask_k,
+                      mask_v, bias, A_log_h, lower_bound, K, SAFE_GATE)
     if UNROLL_STEPS:
         for t in tl.static_range(T):
             cur = nxt
             if t + 1 < T:
-                nxt = _load_step(x_q, x_k, x_v, a, b, t + 1, n64, i_hv, ch_qk, ch_v, offs_k, mask_k, mask_v, bias,
-                                 A_log_h, lower_bound, T, H, HV, K, V, SAFE_GATE)
+                nxt = _load_token(x_q, x_k, x_v, a, b, t + 1, n64 * T + t + 1, s_q, s_k, s_v, s_a, s_b, i_hv, ch_qk,
+                                  ch_v, offs_k, mask_k, mask_v, bias, A_log_h, lower_bound, K, SAFE_GATE)
             S = _verify_step(S, cur, t, live, writes_head, writes_key_head, mask_s, slot, row, n64, i_h, i_hv,
                              offs_k, offs_v, mask_k, mask_v, out, snapshots, ring_k, ring_v, ring_g, ring_beta,
                              s_snap_row, s_snap_t, s_rk_slot, s_rv_slot, s_rg_slot, s_rb_slot, ring_len, scale,
@@ -140,8 +148,9 @@ def _mtp_verify_kernel(
         # cache. The last step loads step T - 1 again rather than branch.
         for t in range(T):
             cur = nxt
-            nxt = _load_step(x_q, x_k, x_v, a, b, tl.minimum(t + 1, T - 1), n64, i_hv, ch_qk, ch_v, offs_k, mask_k,
-                             mask_v, bias, A_log_h, lower_bound, T, H, HV, K, V, SAFE_GATE)
+            step = tl.minimum(t + 1, T - 1)
+            nxt = _load_token(x_q, x_k, x_v, a, b, step, n64 * T + step, s_q, s_k, s_v, s_a, s_b, i_hv, ch_qk, ch_v,
+                              offs_k, mask_k, mask_v, bias, A_log_h, lower_bound, K, SAFE_GATE)
             S = _verify_step(S, cur, t, live, writes_head, writes_key_head, mask_s, slot, row, n64, i_h, i_hv,
                              offs_k, offs_v, mask_k, mask_v, out, snapshots, ring_k, ring_v, ring_g, ring_beta,
                              s_snap_row, s_snap_t, s_rk_slot, s_rv_slot, s_rg_slot, s_rb_slot, ring_len, scale,
@@ -234,12 +243,13 @@ def mtp_verify_triton(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratc
     # scratch rows outside every scratch buffer the call writes (-1: none, rows not checked);
     # one kernel counts them.
     bounds = (state.shape[0], scratch_rows(snapshots if rings is None else None, intermediate_conv))
-    if conv:  # its own kernel first; the recurrence reads the post-conv tokens
-        q, k, v = verify_conv(q, k, v, conv_weights, conv_bias, conv_states, intermediate_conv, slot_indices,
+    if conv:  # its own kernel first (it reads dense tokens); the recurrence reads the post-conv tokens
+        q, k, v = verify_conv(_dense(q), _dense(k), _dense(v), conv_weights, conv_bias, conv_states, intermediate_conv, slot_indices,
                               scratch_indices, bounds, launch_dependents=pdl, config=cfg.conv)
     norm = norm_weight is not None
     raw_out = torch.empty(out.shape, dtype=torch.float32, device=out.device) if norm else out
-    if rings is not None and cfg.ring_form == "chunked":
+    if rings is not None and cfg.ring_form == "chunked":  # its kernels read dense tokens
+        q, k, v, a, b = map(_dense, (q, k, v, a, b))
         ring_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, bounds, raw_out, rings,
                     scale=scale, lower_bound=lower_bound, wait_for_tokens=conv, launch_dependents=norm, pdl=pdl,
                     config=cfg.ring)
@@ -273,6 +283,7 @@ def _launch_recurrence(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scrat
          errors.counters(q.device),
          state.stride(0), *_strides(snapshots, (0, 1)), *_strides(ring_k, (0,)), *_strides(ring_v, (0,)),
          *_strides(ring_g, (0,)), *_strides(ring_beta, (0,)), ring_k.shape[2] if ring_k is not None else 0,
+         *(token_stride(t) for t in (q, k, v, a, b)),
          *bounds, float(scale), float(lower_bound) if lower_bound is not None else 0.0),
         dict(T=T, H=H, HV=HV, K=K, V=V, BLOCK_K=next_power_of_2(K), BLOCK_V=block_v,
              SNAPSHOT=snapshots is not None and rings is None, RING=rings is not None,
@@ -289,10 +300,38 @@ def mtp_verify_reference(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scr
 # ----------------------------------------------------------------------------
 # Input checks
 # ----------------------------------------------------------------------------
+def token_stride(t: torch.Tensor) -> int | None:
+    """Elements between consecutive tokens of ``t [N, T, *inner]`` read as ``N * T`` tokens in a
+    row (request n's step t is token ``n T + t``) with dense inner dims, or None when its strides
+    do not allow that (a view of sglang's packed ``q|k|v`` projection does: one token stride)."""
+    N, T = t.shape[:2]
+    inner = 1
+    for size in t.shape[2:]:
+        inner *= size
+    if t.is_contiguous():
+        return inner
+    expected = 1
+    for size, stride in zip(reversed(t.shape[2:]), reversed(t.stride()[2:])):
+        if size != 1 and stride != expected:
+            return None
+        expected *= size
+    if T > 1:
+        if N > 1 and t.stride(0) != T * t.stride(1):
+            return None
+        return t.stride(1)
+    return t.stride(0) if N > 1 else inner
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_contiguous() else t.contiguous()
+
+
 def check_mtp_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, out, *,
                      conv_weights, conv_states, intermediate_conv, conv_bias, snapshots, rings,
-                     lower_bound, norm_gate, norm_weight, full_checks=None):
-    """Shapes, layouts, dtypes and devices of a native verify call; raises before anything runs."""
+                     lower_bound, norm_gate, norm_weight, full_checks=None, strided_tokens=False):
+    """Shapes, layouts, dtypes and devices of a native verify call; raises before anything runs.
+    ``strided_tokens``: q, k, v, a, b may be views whose tokens lie one stride apart (the chain
+    verify reads them so; ``token_stride``), else they must be contiguous."""
     if q.dim() != 4:
         raise ValueError(f"`q` must be [N, 1 + num_spec, H, K] (got shape {tuple(q.shape)}).")
     N, T, H, K = q.shape
@@ -304,7 +343,11 @@ def check_mtp_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch
         if tuple(t.shape) != expected[name]:
             raise ValueError(f"`{name}` must have shape {expected[name]} (got {tuple(t.shape)}).")
     for name, t in (("q", q), ("k", k), ("v", v), ("a", a), ("b", b), ("out", out)):
-        if not t.is_contiguous():
+        if strided_tokens and name != "out":
+            if token_stride(t) is None:
+                raise ValueError(f"`{name}` must hold its N*T tokens one stride apart with dense inner dims "
+                                 f"(got shape {tuple(t.shape)}, strides {t.stride()}).")
+        elif not t.is_contiguous():
             raise ValueError(f"`{name}` must be contiguous (dense [N, T, ...] tokens).")
     if H == 0 or HV % H != 0:
         raise ValueError(f"value heads must be a multiple of key heads (got H={H}, HV={HV}).")
@@ -446,7 +489,8 @@ def mtp_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indic
 
     ``q, k [N, T, H, K]``, ``v [N, T, HV, V]`` (pre-conv when ``conv_weights=(w_q, w_k, w_v)``
     is given, else already convolved), ``a [N, T, HV, K]`` raw gate, ``b [N, T, HV]`` raw
-    beta; ``state [slots, HV, V, K]`` and ``conv_states`` read-only; request ``n`` uses
+    beta (each contiguous, or a view whose ``N * T`` tokens lie one stride apart with dense heads,
+    as splits of a packed projection are); ``state [slots, HV, V, K]`` and ``conv_states`` read-only; request ``n`` uses
     ``state[slot_indices[n]]`` and scratch row ``scratch_indices[n]``. Per step: a snapshot
     ``snapshots[row, t]`` or, with ``rings=(ring_k, ring_v, ring_g, ring_beta)``, the ring
     entries at ``[slot, :, t]``; windows to ``intermediate_conv[i][row, t]``. Returns
@@ -459,7 +503,7 @@ def mtp_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indic
     check_mtp_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, out,
                      conv_weights=conv_weights, conv_states=conv_states, intermediate_conv=intermediate_conv,
                      conv_bias=conv_bias, snapshots=snapshots, rings=rings, lower_bound=lower_bound,
-                     norm_gate=norm_gate, norm_weight=norm_weight, full_checks=full_checks)
+                     norm_gate=norm_gate, norm_weight=norm_weight, full_checks=full_checks, strided_tokens=True)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     mtp_verify_op(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, out, conv_weights, conv_states,
                   intermediate_conv, conv_bias, snapshots, rings, scale, lower_bound, norm_gate, norm_weight, norm_eps,
