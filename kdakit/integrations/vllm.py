@@ -146,6 +146,12 @@ def _null_to_padding(idx: torch.Tensor) -> torch.Tensor:
     return torch.where(idx > 0, idx, torch.full_like(idx, -1))
 
 
+def conv_window(conv_state: torch.Tensor, W: int) -> torch.Tensor:
+    """The window ``[slots, C, W-1]`` vLLM's non-speculative conv kernels use in its ``[slots, C, L]``
+    pool: the first ``W-1`` columns, oldest first (the rest hold speculative history)."""
+    return conv_state[..., :W - 1]
+
+
 def make_layer_class(base, layer_module):
     """The subclass of vLLM's ``KimiGatedDeltaNetAttention`` (``base``) whose ``_forward`` runs kdakit."""
     import kdakit
@@ -194,7 +200,7 @@ def make_layer_class(base, layer_module):
             W = self.conv_size
             if conv_state.dim() != 3 or conv_state.shape[-1] < W - 1:
                 return f"a conv pool of shape {tuple(conv_state.shape)}"
-            window = conv_state[..., :W - 1]        # vLLM's non-speculative conv kernels use these columns
+            window = conv_window(conv_state, W)
             if conv_state.dtype not in (mixed_qkv.dtype, torch.float32):
                 return f"a {conv_state.dtype} conv pool with {mixed_qkv.dtype} activations"
             if state.dtype not in STATE_DTYPES:
