@@ -24,7 +24,7 @@ import torch
 import kdakit.reference as ref
 
 F64 = torch.float64
-VLLM_PACKAGES = ("psutil", "pyzmq", "cbor2", "transformers>=5.16.1,<5.21", "msgspec", "uvloop", "prometheus_client",
+VLLM_PACKAGES = ("psutil", "pyzmq", "cbor2", "transformers==5.17.0", "msgspec", "uvloop", "prometheus_client",
                  "xgrammar==0.2.8", "apache-tvm-ffi==0.1.11", "fastapi", "starlette", "annotated_doc",
                  "opentelemetry-api", "partial-json-parser", "llguidance", "cachetools", "pybase64", "openai",
                  "openai_harmony", "pillow", "aiohttp", "pydantic", "regex", "requests", "pyyaml", "cloudpickle",
