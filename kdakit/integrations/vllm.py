@@ -194,6 +194,8 @@ def make_layer_class(base, layer_module):
             if m.non_spec_state_indices_tensor is None or m.non_spec_query_start_loc is None:
                 return "a non-speculative batch without state indices"
             T = int(m.num_actual_tokens)
+            if T <= 0:
+                return "an empty batch"
             conv_state, state = self.kv_cache
             if not self._kdakit_dim_first():
                 conv_state = conv_state.transpose(-1, -2)
