@@ -367,8 +367,11 @@ def test_decode_bf16_activations_fp32_conv_weights_spec_sized_pool(vl, monkeypat
     assert_same(res, 3, atol=3e-2)
 
 
-@pytest.mark.parametrize("lower_bound", [None, LOWER_BOUND])
-def test_mixed_prefill_and_decode(vl, monkeypatch, backend, lower_bound):
+@pytest.mark.parametrize("backend_name, lower_bound", [
+    ("reference", None), ("reference", LOWER_BOUND), ("triton", None),
+    pytest.param("triton", LOWER_BOUND, marks=pytest.mark.exhaustive)])   # ~20 s each in the interpreter
+def test_mixed_prefill_and_decode(vl, monkeypatch, backend_name, lower_bound):
+    monkeypatch.setenv("KDAKIT_BACKEND", backend_name)
     # two decodes, a continued prefill, a first prefill (no initial state), token padding past them
     m = metadata(vl, decode_slots=(4, 9), prefills=((2, 5, True), (6, 3, False)))
     res = run_both(vl, monkeypatch, m, T_pad=12, lower_bound=lower_bound, num_spec=0)
