@@ -69,6 +69,16 @@ def _plugin_entry_point():
     assert names.get("kdakit") == "kdakit.integrations.sglang:register", names
 
 
+def _vllm_entry_point():
+    names = {ep.name: ep.value for ep in metadata.entry_points(group="vllm.general_plugins")}
+    assert names.get("kdakit") == "kdakit.integrations.vllm:register", names
+
+
+def _vllm_switch():
+    from kdakit.integrations import vllm as integ
+    assert integ.SWITCH_ENV == "KDAKIT_VLLM" and "0" in integ.OFF_VALUES
+
+
 # command -> how it is covered (a check run here)
 COVERED = {
     # the quick start: CI runs the same install, the demo and the README's test command
@@ -81,6 +91,8 @@ COVERED = {
     "pip install .": _ci_runs("python -m build"),  # CI builds the wheel and installs it in a fresh venv
     'pip install ".[sglang]"': _extra_exists("sglang"),
     'pip install ".[transformers]"': _extra_exists("transformers"),
+    'pip install ".[vllm]"': lambda: (_extra_exists("vllm")(), _vllm_entry_point()),
+    "export KDAKIT_VLLM=0": _vllm_switch,
     'pip install ".[test]"': _extra_exists("test"),
     "python -m kdakit check": _ci_runs("python -m kdakit check"),
     "python -m kdakit bench": lambda: _kdakit_exits_2_without_a_gpu("bench", "--quick"),
