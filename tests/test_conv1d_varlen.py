@@ -450,3 +450,30 @@ def test_offsets_outside_the_tokens_stay_inside_the_buffers(backend, offsets):
     assert torch.equal(x_buf.nan_to_num(7.0), before_x.nan_to_num(7.0))
     assert torch.equal(pool_buf[[0, 1, 3, 4, 6, 7]].nan_to_num(7.0), before_pool[[0, 1, 3, 4, 6, 7]].nan_to_num(7.0))
     assert torch.isfinite(out).all() and torch.isfinite(conv).all()
+
+
+ROWS_FORMS = [Conv1dVarlenConfig(1, 16, 1, form="rows"), Conv1dVarlenConfig(4, 16, 1, form="rows"),
+              Conv1dVarlenConfig(8, 32, 1, form="rows"), Conv1dVarlenConfig(32, 8, 2, form="rows")]
+
+
+@pytest.mark.parametrize("config", sweep(ROWS_FORMS, keep=[1, 3]), ids=lambda c: f"rows-t{c.block_t}-c{c.block_c}")
+@pytest.mark.parametrize("W", sweep([2, 4, 8], keep=[1]), ids=lambda w: f"W{w}")
+@pytest.mark.parametrize("x_layout", sweep(["rows", "transposed"], keep=[0]), ids=["x-TC", "x-CT-view"])
+def test_rows_form_equals_the_tile_form_bitwise(config, W, x_layout):
+    """The "rows" form (a program streams its tokens a row at a time) gives the float64
+    reference's numbers and the tile form's bits, windows included: sequences of length 0,
+    shorter than W-1, starting anywhere in a tile, spilling into the next, one-token runs,
+    padding and out-of-range slots, some starting from zeros."""
+    lengths = [5, 1, 0, 2, 9, 1, 1, 1, 3, 0, 6, 2]
+    got = {}
+    for name, cfg in (("tile", Conv1dVarlenConfig(8, 16, 1)), ("rows", config)):
+        t = make_case(lengths, 24, W, act_dtype=BF16, x_layout=x_layout, pool_layout="transposed", padding=(2, 6),
+                      out_of_range=(8,), seed=90 + W)
+        got[name] = (check_case("triton", t, config=cfg), t["conv_state"])
+    for a, b in zip(got["tile"], got["rows"]):
+        assert torch.equal(bits(a), bits(b))
+
+
+def test_conv_config_form_is_checked():
+    with pytest.raises(ValueError, match="form must be 'tile' or 'rows'"):
+        Conv1dVarlenConfig(8, 16, 1, form="row")

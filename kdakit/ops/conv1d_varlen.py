@@ -145,6 +145,50 @@ def _first_outputs(x, weight, bias, out, win, seq_start, n_first, old_taps, ch, 
 
 
 @triton.jit
+def _owned_sequences(x, conv_state, weight, bias, cu_seqlens, slot_indices, has_initial_state, out, errors,
+                     first_owned, end, ch, i_c, T, C, num_slots, stride_x_t, stride_x_c, stride_out_t, stride_out_c,
+                     stride_conv_slot, stride_conv_chan, stride_conv_tap, W: tl.constexpr, BLOCK_TAPS: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr, SILU: tl.constexpr,
+                     ERR_INDEX: tl.constexpr):
+    """Sequences ``first_owned .. end`` (those whose first token is in the caller's tile): the
+    outputs of their first W-1 tokens from the old window, then their new windows (taps
+    k = 0 .. W-2 are entries len+k of [old window (W-1), the sequence's inputs])."""
+    mask_c = ch < C
+    k = tl.arange(0, BLOCK_TAPS)
+    ch64 = ch.to(tl.int64)
+    n = first_owned
+    while n < end:
+        # Offsets clamped into [0, T], the end at least the start: whatever cu_seqlens holds (its
+        # values are checked only with full checks), no tap reaches outside x or the window.
+        seq_start = tl.minimum(tl.maximum(tl.load(cu_seqlens + n).to(tl.int64), 0), T)
+        length = tl.minimum(tl.maximum(tl.load(cu_seqlens + n + 1).to(tl.int64), seq_start), T) - seq_start
+        slot = tl.load(slot_indices + n).to(tl.int64)
+        live = (slot >= 0) & (slot < num_slots) & (length > 0)
+        # a slot past the pool (a sequence with tokens): counted once, by channel block 0
+        count_bad_row(errors, (slot >= num_slots) & (length > 0) & (i_c == 0), ERR_INDEX)
+        num_taps = tl.where(live, W - 1, 0)            # folded into the bounds: no block & scalar masks
+        old_taps = num_taps
+        if HAS_INIT_FLAGS:
+            old_taps = tl.where(tl.load(has_initial_state + n).to(tl.int32) != 0, num_taps, 0)
+        win = conv_state + slot * stride_conv_slot
+        _first_outputs(x, weight, bias, out, win, seq_start, tl.minimum(length, W - 1), old_taps, ch, C,
+                       stride_x_t, stride_x_c, stride_out_t, stride_out_c, stride_conv_chan, stride_conv_tap,
+                       W, HAS_BIAS, SILU)
+        src = length + k                               # [BLOCK_TAPS]
+        pos = seq_start + src - (W - 1)
+        win_rows = win + ch64[None, :] * stride_conv_chan
+        from_x = tl.load(x + pos[:, None] * stride_x_t + ch64[None, :] * stride_x_c,
+                         mask=((src >= W - 1) & (k < num_taps) & (pos >= 0) & (pos < T))[:, None] & mask_c[None, :],
+                         other=0.0)
+        from_old = tl.load(win_rows + src[:, None] * stride_conv_tap,
+                           mask=(src < old_taps)[:, None] & mask_c[None, :], other=0.0)
+        new = tl.where((src >= W - 1)[:, None], from_x.to(conv_state.dtype.element_ty), from_old)
+        tl.debug_barrier()  # every read of this slot's old window (above) before any store
+        tl.store(win_rows + k[:, None] * stride_conv_tap, new, mask=(k < num_taps)[:, None] & mask_c[None, :])
+        n += 1
+
+
+@triton.jit
 def _causal_conv1d_varlen_kernel(
     x, conv_state, weight, bias, cu_seqlens, slot_indices, has_initial_state, out, errors,
     T, C, N, num_slots,
@@ -237,42 +281,91 @@ def _causal_conv1d_varlen_kernel(
         tl.store(out_ptrs, y, mask=keep & (~near))
 
     # The sequences whose first token is in this tile: their first W-1 tokens' outputs, then their
-    # new windows (taps k = 0 .. W-2 are entries len+k of [old window (W-1), the sequence's inputs]).
-    k = tl.arange(0, BLOCK_TAPS)
-    ch64 = ch.to(tl.int64)
-    n = first_owned
-    while n < end:
-        # Offsets clamped into [0, T], the end at least the start: whatever cu_seqlens holds (its
-        # values are checked only with full checks), no tap reaches outside x or the window.
-        seq_start = tl.minimum(tl.maximum(tl.load(cu_seqlens + n).to(tl.int64), 0), T)
-        length = tl.minimum(tl.maximum(tl.load(cu_seqlens + n + 1).to(tl.int64), seq_start), T) - seq_start
-        slot = tl.load(slot_indices + n).to(tl.int64)
-        live = (slot >= 0) & (slot < num_slots) & (length > 0)
-        # a slot past the pool (a sequence with tokens): counted once, by channel block 0
-        count_bad_row(errors, (slot >= num_slots) & (length > 0) & (i_c == 0), ERR_INDEX)
-        num_taps = tl.where(live, W - 1, 0)            # folded into the bounds: no block & scalar masks
-        old_taps = num_taps
-        if HAS_INIT_FLAGS:
-            old_taps = tl.where(tl.load(has_initial_state + n).to(tl.int32) != 0, num_taps, 0)
-        win = conv_state + slot * stride_conv_slot
-        _first_outputs(x, weight, bias, out, win, seq_start, tl.minimum(length, W - 1), old_taps, ch, C,
-                       stride_x_t, stride_x_c, stride_out_t, stride_out_c, stride_conv_chan, stride_conv_tap,
-                       W, HAS_BIAS, SILU)
-        src = length + k                               # [BLOCK_TAPS]
-        pos = seq_start + src - (W - 1)
-        win_rows = win + ch64[None, :] * stride_conv_chan
-        from_x = tl.load(x + pos[:, None] * stride_x_t + ch64[None, :] * stride_x_c,
-                         mask=((src >= W - 1) & (k < num_taps) & (pos >= 0) & (pos < T))[:, None] & mask_c[None, :],
-                         other=0.0)
-        from_old = tl.load(win_rows + src[:, None] * stride_conv_tap,
-                           mask=(src < old_taps)[:, None] & mask_c[None, :], other=0.0)
-        new = tl.where((src >= W - 1)[:, None], from_x.to(conv_state.dtype.element_ty), from_old)
-        tl.debug_barrier()  # every read of this slot's old window (above) before any store
-        tl.store(win_rows + k[:, None] * stride_conv_tap, new, mask=(k < num_taps)[:, None] & mask_c[None, :])
-        n += 1
+    # new windows.
+    _owned_sequences(x, conv_state, weight, bias, cu_seqlens, slot_indices, has_initial_state, out, errors,
+                     first_owned, end, ch, i_c, T, C, num_slots, stride_x_t, stride_x_c, stride_out_t, stride_out_c,
+                     stride_conv_slot, stride_conv_chan, stride_conv_tap, W, BLOCK_TAPS, HAS_BIAS, HAS_INIT_FLAGS,
+                     SILU, ERR_INDEX)
 
 
 _causal_conv1d_varlen = CachedKernel(_causal_conv1d_varlen_kernel)
+
+
+@triton.jit
+def _causal_conv1d_varlen_rows_kernel(
+    x, conv_state, weight, bias, cu_seqlens, slot_indices, has_initial_state, out, errors,
+    T, C, N, num_slots,
+    stride_x_t, stride_x_c, stride_out_t, stride_out_c, stride_conv_slot, stride_conv_chan, stride_conv_tap,
+    W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_TAPS: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr, SILU: tl.constexpr, ERR_INDEX: tl.constexpr,
+):
+    # The "rows" form: one program per (block of channels, tile of BLOCK_T tokens) streams the
+    # tile's tokens one row at a time (a row: BLOCK_C channels of one token, contiguous when x's
+    # channels are), keeping the last W-1 rows in registers. Each input row is loaded once, plus
+    # W-1 rows before the tile (the tile form loads every tap vector again, shifted). The loop is
+    # unrolled, so every row's load can be in flight at once.
+    #
+    # Every token of the tile is computed from x alone and stored, but those within W-1 of a
+    # sequence start that lies before the tile (that sequence's owner, the program before,
+    # writes them). Then the sequences whose first token is in the tile: their first W-1
+    # tokens again from the old window (overwriting, after a barrier, what the loop stored),
+    # and their windows. Each output is written last by its owner; x is read-only.
+    pid = tl.program_id(0)
+    num_blocks = tl.cdiv(C, BLOCK_C)
+    i_c, i_t = pid % num_blocks, pid // num_blocks     # consecutive programs: the channel blocks of one tile
+    t0 = i_t * BLOCK_T
+    ch = i_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask_c = ch < C
+    x_chan = x + ch.to(tl.int64) * stride_x_c
+    out_chan = out + ch.to(tl.int64) * stride_out_c
+
+    first_owned = _count_below(cu_seqlens, N, t0, BLOCK_N)   # sequences starting before t0
+    end = first_owned
+    if (first_owned < N) & (tl.load(cu_seqlens + tl.minimum(first_owned, N - 1)) < t0 + BLOCK_T):
+        end = _count_below(cu_seqlens, N, t0 + BLOCK_T, BLOCK_N)
+    # The latest start before the tile: its first W-1 tokens belong to its owner.
+    last_start = tl.load(cu_seqlens + tl.maximum(first_owned - 1, 0)).to(tl.int32)
+    skip_below = tl.where(first_owned > 0, tl.maximum(last_start + (W - 1), t0), t0)
+
+    w_taps = ()
+    for j in tl.static_range(W):
+        w_taps = w_taps + (tl.load(weight + ch * W + j, mask=mask_c, other=0.0),)
+    if HAS_BIAS:
+        b = tl.load(bias + ch, mask=mask_c, other=0.0)
+    rows = ()                                          # the last W-1 rows, oldest first
+    for j in tl.static_range(W - 1):
+        tap_tok = t0 - (W - 1) + j
+        # scalar conditions folded into the channel bound: no block & scalar masks
+        rows = rows + (tl.load(x_chan + tap_tok.to(tl.int64) * stride_x_t,
+                               mask=ch < tl.where((tap_tok >= 0) & (tap_tok < T), C, 0), other=0.0),)
+    for i in tl.static_range(BLOCK_T):
+        t = t0 + i
+        cur = tl.load(x_chan + t.to(tl.int64) * stride_x_t, mask=ch < tl.where(t < T, C, 0), other=0.0)
+        # Taps summed oldest first, then the bias: the order of the one-token conv
+        # (triton_math.conv_apply), so chaining causal_conv1d_update gives the same numbers.
+        acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+        for j in tl.static_range(W - 1):
+            acc += w_taps[j] * rows[j].to(tl.float32)
+        acc += w_taps[W - 1] * cur.to(tl.float32)
+        if HAS_BIAS:
+            acc += b
+        if SILU:
+            acc = silu(acc)
+        tl.store(out_chan + t.to(tl.int64) * stride_out_t, acc.to(out.dtype.element_ty),
+                 mask=ch < tl.where((t < T) & (t >= skip_below), C, 0))
+        shifted = ()
+        for j in tl.static_range(1, W - 1):
+            shifted = shifted + (rows[j],)
+        rows = shifted + (cur,)
+
+    tl.debug_barrier()  # the loop's stores of this tile before the owned sequences' first outputs
+    _owned_sequences(x, conv_state, weight, bias, cu_seqlens, slot_indices, has_initial_state, out, errors,
+                     first_owned, end, ch, i_c, T, C, num_slots, stride_x_t, stride_x_c, stride_out_t, stride_out_c,
+                     stride_conv_slot, stride_conv_chan, stride_conv_tap, W, BLOCK_TAPS, HAS_BIAS, HAS_INIT_FLAGS,
+                     SILU, ERR_INDEX)
+
+
+_causal_conv1d_varlen_rows = CachedKernel(_causal_conv1d_varlen_rows_kernel)
 
 
 @dataclass(frozen=True)
@@ -282,6 +375,13 @@ class Conv1dVarlenConfig:
     block_c: int            # channels per tile (a power of two)
     num_warps: int = 4
     token_major: bool = False   # programs in token order (the tiles of a channel block in a row)
+    form: str = "tile"          # "tile" (each thread a vector of tokens, taps picked from registers) or
+    #                             "rows" (a program streams its tokens a row of channels at a time, the
+    #                             last W-1 rows in registers: each input row loaded once)
+
+    def __post_init__(self):
+        if self.form not in ("tile", "rows"):
+            raise ValueError(f"Conv1dVarlenConfig.form must be 'tile' or 'rows' (got {self.form!r}).")
 
 
 def conv1d_varlen_config(x: torch.Tensor, channels: int) -> Conv1dVarlenConfig:
@@ -313,6 +413,19 @@ def causal_conv1d_varlen_triton(x, conv_state, weight, cu_seqlens, slot_indices,
     block_t, block_c, num_warps = cfg.block_t, cfg.block_c, cfg.num_warps
     if not (block_t >= 1 and block_t & (block_t - 1) == 0 and block_c >= 1 and block_c & (block_c - 1) == 0):
         raise ValueError(f"block_t={block_t} and block_c={block_c} must be powers of two.")
+    if cfg.form == "rows":
+        _causal_conv1d_varlen_rows(
+            (cdiv(C, block_c) * cdiv(T, block_t), 1, 1),
+            (x, conv_state, weight, bias if bias is not None else weight, cu_seqlens, slot_indices,
+             has_initial_state if has_initial_state is not None else slot_indices, out, errors.counters(x.device),
+             T, C, N, conv_state.shape[0],
+             x.stride(0), x.stride(1), out.stride(0), out.stride(1),
+             conv_state.stride(0), conv_state.stride(1), conv_state.stride(2)),
+            dict(W=W, BLOCK_T=block_t, BLOCK_C=block_c, BLOCK_TAPS=next_power_of_2(W - 1), BLOCK_N=256,
+                 HAS_BIAS=bias is not None, HAS_INIT_FLAGS=has_initial_state is not None, SILU=bool(activation),
+                 ERR_INDEX=errors.INDEX["causal_conv1d_varlen"]),
+            num_warps=num_warps, num_stages=1)
+        return out
     _causal_conv1d_varlen(
         (cdiv(C, block_c) * cdiv(T, block_t), 1, 1),
         (x, conv_state, weight, bias if bias is not None else weight, cu_seqlens, slot_indices,
