@@ -354,3 +354,13 @@ def test_packed_sequences_refused():
         kl.causal_conv1d_fn(x, torch.randn(8, 4), activation="silu", seq_idx=torch.zeros(1, 5, dtype=torch.int32))
     with pytest.raises(ValueError, match="activation"):
         kl.causal_conv1d_fn(x, torch.randn(8, 4), activation="gelu")
+
+
+def test_the_extra_asks_for_the_tested_range():
+    """pyproject's `transformers` extra is kt.REQUIREMENT, the range TESTED names."""
+    tomllib = pytest.importorskip("tomllib")
+    import pathlib
+    pyproject = tomllib.loads((pathlib.Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    assert pyproject["project"]["optional-dependencies"]["transformers"] == [kt.REQUIREMENT]
+    (a, b), (c, d) = kt.TESTED
+    assert kt.REQUIREMENT == f"transformers>={a}.{b},<{c}.{d + 1}"
