@@ -1,6 +1,7 @@
-"""transformers 5.17's Kimi Linear end to end: its KDA layers on fla-core 0.6.0 (what transformers
-binds when fla is installed) against the same model after ``kdakit.integrations.transformers.enable()``,
-in the same run on one GPU.
+"""transformers' Kimi Linear end to end: its KDA layers on fla-core 0.6.0 (what transformers binds
+when fla is installed) against the same model after ``kdakit.integrations.transformers.enable()``,
+in the same run on one GPU, on the transformers release installed (5.17-5.23; the record names it
+and the layer's form).
 
 Model: ``KimiLinearForCausalLM`` with random weights, hidden 2304, H = 32, K = V = 128, 4 layers (all
 KDA, dense MLPs, so the time is the KDA layers' and the MLPs'), bf16. Cases: prefill of 1 x 8192
@@ -133,7 +134,9 @@ def main(argv=None) -> int:
     from kdakit.bench import harness
     from kdakit.integrations import transformers as kt
     kt.disable()
-    results = harness.new_results(transformers_bound=bound_implementations(), args=vars(args))
+    import transformers
+    results = harness.new_results(transformers=transformers.__version__, kimi_linear_form=kt.layer_form(),
+                                  transformers_bound=bound_implementations(), args=vars(args))
     model = build_model(args)
     gen = torch.Generator(device="cuda").manual_seed(1)
     ids = torch.randint(3, args.vocab, (1, args.prefill), device="cuda", generator=gen)

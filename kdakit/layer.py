@@ -254,7 +254,7 @@ class KDALayer(nn.Module):
     @classmethod
     def from_transformers(cls, module: nn.Module) -> "KDALayer":
         """This layer with the weights of Hugging Face transformers' ``KimiLinearDeltaAttention``
-        ``module`` (Kimi Linear, transformers 5.17): same device; the projections keep their
+        ``module`` (Kimi Linear, transformers 5.17-5.23): same device; the projections keep their
         dtype, the conv taps, ``A_log``, ``dt_bias`` and the output-norm weight become float32.
         The caches are kdakit's (attach a ``StatePool``), not transformers' ``DynamicCache``."""
         needed = ("q_proj", "k_proj", "v_proj", "conv1d", "forget_gate", "b_proj", "g_a_proj", "g_b_proj",

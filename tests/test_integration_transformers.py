@@ -1,4 +1,4 @@
-"""kdakit.integrations.transformers: transformers 5.17's Kimi Linear on kdakit's kernels.
+"""kdakit.integrations.transformers: transformers 5.17-5.23's Kimi Linear on kdakit's kernels.
 The reference is transformers' own PyTorch implementation of the four functions
 (``torch_fallback()``: its fallback loops, whatever it bound at import), never kdakit."""
 import subprocess
@@ -69,19 +69,136 @@ def test_enable_disable_rebinds_and_restores():
     assert kl.causal_conv1d_fn is before["causal_conv1d_fn"]
 
 
-def test_refuses_what_it_cannot_patch(monkeypatch):
-    monkeypatch.setattr(kt, "_transformers_version", lambda: "5.18.0")
-    with pytest.raises(kt.IntegrationError, match="5.18.0"):
+# Stand-ins for KimiLinearDeltaAttention.forward, one per way of reading the cache (never run:
+# the integration only reads which names a forward's code uses).
+def forward_layers_form(self, hidden_states, cache_params=None, **kwargs):  # transformers 5.17-5.20
+    if cache_params is not None and cache_params.has_previous_state(self.layer_idx):
+        conv_state = cache_params.layers[self.layer_idx].conv_states[0]
+        state = cache_params.layers[self.layer_idx].recurrent_states[0]
+        causal_conv1d_update(hidden_states, conv_state)  # noqa: F821
+        return recurrent_kimi_delta_attention(hidden_states, state)  # noqa: F821
+    cache_params.update_conv_state(hidden_states, self.layer_idx)
+    causal_conv1d_fn(hidden_states)  # noqa: F821
+    cache_params.update_recurrent_state(chunk_kimi_delta_attention(hidden_states), self.layer_idx)  # noqa: F821
+
+
+def forward_accessors_form(self, hidden_states, cache_params=None, **kwargs):  # transformers 5.21-5.23
+    conv_state = cache_params.get_conv_state(self.layer_idx, state_idx=0)
+    state = cache_params.get_recurrent_state(self.layer_idx, state_idx=0)
+    if conv_state is not None:
+        causal_conv1d_update(hidden_states, conv_state)  # noqa: F821
+        return recurrent_kimi_delta_attention(hidden_states, state)  # noqa: F821
+    cache_params.update_conv_state(hidden_states, self.layer_idx)
+    causal_conv1d_fn(hidden_states)  # noqa: F821
+    cache_params.update_recurrent_state(chunk_kimi_delta_attention(hidden_states), self.layer_idx)  # noqa: F821
+
+
+def forward_unknown_form(self, hidden_states, cache_params=None, **kwargs):  # a cache read some other way
+    state = cache_params.ssm_states[self.layer_idx]
+    causal_conv1d_update(hidden_states, state)  # noqa: F821
+    recurrent_kimi_delta_attention(hidden_states, state)  # noqa: F821
+    cache_params.update_conv_state(hidden_states, self.layer_idx)
+    causal_conv1d_fn(hidden_states)  # noqa: F821
+    cache_params.update_recurrent_state(chunk_kimi_delta_attention(hidden_states), self.layer_idx)  # noqa: F821
+
+
+def forward_no_state_write(self, hidden_states, cache_params=None, **kwargs):  # the state never copied back
+    conv_state = cache_params.get_conv_state(self.layer_idx, state_idx=0)
+    state = cache_params.get_recurrent_state(self.layer_idx, state_idx=0)
+    causal_conv1d_update(hidden_states, conv_state)  # noqa: F821
+    recurrent_kimi_delta_attention(hidden_states, state)  # noqa: F821
+    cache_params.update_conv_state(hidden_states, self.layer_idx)
+    causal_conv1d_fn(hidden_states)  # noqa: F821
+    chunk_kimi_delta_attention(hidden_states)  # noqa: F821
+
+
+def installed_release():
+    return tuple(int(x) for x in transformers.__version__.split(".")[:2])
+
+
+def test_installed_release_form():
+    """The form read from each release's wheel: 5.17-5.20 read cache.layers[i] after
+    has_previous_state, 5.21 on call get_conv_state / get_recurrent_state."""
+    expected = "accessors" if installed_release() >= (5, 21) else "layers"
+    assert kt.layer_form(kl) == expected
+    assert kt.TESTED[0] <= installed_release() <= kt.TESTED[1]
+
+
+@pytest.mark.parametrize("form", ["layers", "accessors"])
+def test_each_known_form_is_accepted(form, monkeypatch):
+    forward = {"layers": forward_layers_form, "accessors": forward_accessors_form}[form]
+    monkeypatch.setattr(kl.KimiLinearDeltaAttention, "forward", forward)
+    assert kt.layer_form(kl) == form
+    kt.enable()
+    assert kt.is_enabled() and kl.chunk_kimi_delta_attention is kt.chunk_kimi_delta_attention
+
+
+@pytest.mark.parametrize("forward, missing", [
+    (forward_unknown_form, ["has_previous_state", "conv_states", "get_conv_state", "get_recurrent_state"]),
+    (forward_no_state_write, ["update_recurrent_state"]),
+])
+def test_unknown_forms_refused(forward, missing, monkeypatch):
+    monkeypatch.setattr(kl.KimiLinearDeltaAttention, "forward", forward)
+    with pytest.raises(kt.IntegrationError) as err:
         kt.enable()
+    for name in missing:
+        assert name in str(err.value)
     assert not kt.is_enabled()
-    with pytest.warns(RuntimeWarning, match="5.18.0"):
-        kt.enable(allow_untested_version=True)
-    kt.disable()
-    monkeypatch.undo()
+
+
+def test_refuses_what_it_cannot_patch(monkeypatch):
     monkeypatch.delattr(kl, "recurrent_kimi_delta_attention")
     with pytest.raises(kt.IntegrationError, match="recurrent_kimi_delta_attention"):
         kt.enable()
     assert not kt.is_enabled()
+    monkeypatch.undo()
+
+    def no_decode_kernel(self, hidden_states, cache_params=None, **kwargs):
+        cache_params.get_conv_state(0), cache_params.get_recurrent_state(0)
+        cache_params.update_conv_state(hidden_states, 0), cache_params.update_recurrent_state(hidden_states, 0)
+        causal_conv1d_fn(hidden_states), chunk_kimi_delta_attention(hidden_states)  # noqa: F821
+    monkeypatch.setattr(kl.KimiLinearDeltaAttention, "forward", no_decode_kernel)
+    with pytest.raises(kt.IntegrationError, match="recurrent_kimi_delta_attention, causal_conv1d_update"):
+        kt.enable()
+    assert not kt.is_enabled()
+    with pytest.raises(ValueError, match="replaced names"):
+        kt.original("l2norm")
+
+
+def test_refuses_a_kernel_call_it_does_not_take(monkeypatch):
+    """transformers' body of a name gains a parameter (so its forward may pass it): refused at
+    enable(), naming it, rather than a ValueError mid-generate."""
+    import functools
+    body = kt.torch_functions()["chunk_kimi_delta_attention"]
+
+    def newer(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
+              use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs):
+        return body(query, key, value, g, beta, chunk_size, initial_state, output_final_state, use_qk_l2norm_in_kernel)
+
+    @functools.wraps(newer)
+    def bound(*args, **kwargs):
+        return newer(*args, **kwargs)
+    monkeypatch.setattr(kl, "chunk_kimi_delta_attention", bound)
+    with pytest.raises(kt.IntegrationError, match="cu_seqlens"):
+        kt.enable()
+    assert not kt.is_enabled()
+
+
+def test_version_outside_the_tested_range_warns(monkeypatch):
+    """No version gate: a release outside TESTED whose layer has a known form is plugged into
+    with a RuntimeWarning (none with allow_untested_version=True); inside the range, silently."""
+    for version in ("5.24.0", "5.16.1", "6.0.0.dev0"):
+        monkeypatch.setattr(kt, "_transformers_version", lambda v=version: v)
+        with pytest.warns(RuntimeWarning, match=version.replace(".", r"\.")):
+            kt.enable()
+        assert kt.is_enabled()
+        kt.disable()
+    for version, allow in (("5.24.0", True), ("5.17.0", False), ("5.20.2", False), ("5.23.0", False)):
+        monkeypatch.setattr(kt, "_transformers_version", lambda v=version: v)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            kt.enable(allow_untested_version=allow)
+        kt.disable()
 
 
 def test_generate_float32_left_padded_matches_transformers():
@@ -237,3 +354,13 @@ def test_packed_sequences_refused():
         kl.causal_conv1d_fn(x, torch.randn(8, 4), activation="silu", seq_idx=torch.zeros(1, 5, dtype=torch.int32))
     with pytest.raises(ValueError, match="activation"):
         kl.causal_conv1d_fn(x, torch.randn(8, 4), activation="gelu")
+
+
+def test_the_extra_asks_for_the_tested_range():
+    """pyproject's `transformers` extra is kt.REQUIREMENT, the range TESTED names."""
+    tomllib = pytest.importorskip("tomllib")
+    import pathlib
+    pyproject = tomllib.loads((pathlib.Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    assert pyproject["project"]["optional-dependencies"]["transformers"] == [kt.REQUIREMENT]
+    (a, b), (c, d) = kt.TESTED
+    assert kt.REQUIREMENT == f"transformers>={a}.{b},<{c}.{d + 1}"

@@ -16,21 +16,30 @@ a hub kernel or its PyTorch loops when it was imported (with fla-core and Triton
 on a machine without a GPU, transformers binds fla's Triton kernels, which cannot run there:
 ``enable()`` makes such a model run). ``disable()`` restores what was there.
 
-The names are not a public transformers API, so ``enable()`` checks the version (5.17.x) and
-that the layer's forward still calls the four names, and raises ``IntegrationError`` (a
-``RuntimeError``) with the reason when it cannot apply. Calls that kdakit cannot run exactly
-(packed sequences through ``cu_seq_lens_*`` / ``seq_idx``, an activation other than SiLU)
-raise ``ValueError`` instead of computing something else.
+The names are not a public transformers API, so ``enable()`` checks the layer rather than the
+version: the module binds the four names, ``KimiLinearDeltaAttention.forward`` calls them, reads
+its cache in one of the forms kdakit was written against (``LAYER_FORMS``: transformers 5.17-5.20
+read ``cache.layers[i].conv_states[0]`` after ``has_previous_state(i)``; 5.21-5.23 call
+``cache.get_conv_state(i, state_idx=0)`` / ``get_recurrent_state(...)``), and transformers' own
+bodies of the four functions take no parameter kdakit's replacements do not. When one of these
+fails it raises ``IntegrationError`` (a ``RuntimeError``) naming what is missing; a release
+outside the tested range (``TESTED``) whose layer passes them gets a ``RuntimeWarning``. Calls
+that kdakit cannot run exactly (packed sequences through ``cu_seq_lens_*`` / ``seq_idx``, an
+activation other than SiLU) raise ``ValueError`` instead of computing something else.
 """
 from __future__ import annotations
 
 import contextlib
 import inspect
+import itertools
 import warnings
 
 import torch
 
-SUPPORTED_VERSIONS = ("5.17.",)  # release prefixes whose Kimi Linear layer was read and tested
+# The transformers releases (major, minor) whose Kimi Linear was read and run with kdakit, first
+# and last; the `transformers` extra asks for the same range.
+TESTED = ((5, 17), (5, 23))
+REQUIREMENT = "transformers>=5.17,<5.24"
 MODULE = "transformers.models.kimi_linear.modeling_kimi_linear"
 REPLACED = ("chunk_kimi_delta_attention", "recurrent_kimi_delta_attention", "causal_conv1d_fn",
             "causal_conv1d_update")
@@ -62,7 +71,7 @@ def _check_kwargs(fn: str, kwargs: dict) -> None:
                                  "integration; pass each sequence as its own row with an attention mask.")
         elif key not in _IGNORED_KWARGS:
             raise ValueError(f"{fn} (kdakit): unexpected keyword `{key}`; kdakit.integrations.transformers knows "
-                             f"the calls of transformers {'/'.join(v + 'x' for v in SUPPORTED_VERSIONS)}.")
+                             f"the calls of transformers {_tested()}.")
 
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -128,25 +137,101 @@ _REPLACEMENTS = {"chunk_kimi_delta_attention": chunk_kimi_delta_attention,
 # ----------------------------------------------------------------------------
 # enable / disable
 # ----------------------------------------------------------------------------
+def _tested() -> str:
+    (a, b), (c, d) = TESTED
+    return f"{a}.{b}-{c}.{d}"
+
+
 def _transformers_version() -> str:
     try:
         import transformers
     except ImportError as e:
         raise IntegrationError("kdakit.integrations.transformers needs transformers: pip install "
-                               "'kdakit[transformers]' (transformers==5.17.0).") from e
+                               f"'kdakit[transformers]' ({REQUIREMENT}).") from e
     return transformers.__version__
 
 
-def kimi_linear_module(allow_untested_version: bool = False):
-    """transformers' Kimi Linear modeling module, after checking that kdakit can plug into it."""
+def _release(version: str) -> tuple[int, int] | None:
+    """(major, minor) of a version string such as '5.20.1' or '5.24.0.dev0'; None when it has none."""
+    parts = version.split(".")
+    if len(parts) < 2 or not parts[0].isdigit():
+        return None
+    minor = "".join(itertools.takewhile(str.isdigit, parts[1]))
+    return (int(parts[0]), int(minor)) if minor else None
+
+
+# How KimiLinearDeltaAttention.forward reads its layer's cache: the names each form's forward uses
+# (attributes and methods of `cache_params`). kdakit's replacements behave the same under both: the
+# decode calls get the cache's own conv state (shifted in place) and recurrent state, and the
+# forward copies the returned state into the cache (`update_recurrent_state`) right after.
+LAYER_FORMS = {
+    "layers": ("transformers 5.17-5.20: cache.has_previous_state(i), then cache.layers[i].conv_states[0] / "
+               ".recurrent_states[0]; decode when that holds and seq_len == 1",
+               ("has_previous_state", "layers", "conv_states", "recurrent_states")),
+    "accessors": ("transformers 5.21-5.23: cache.get_conv_state(i, state_idx=0) / get_recurrent_state(...), "
+                  "None before the first write; decode when conv_state is not None and seq_len == 1",
+                  ("get_conv_state", "get_recurrent_state")),
+}
+# Every form writes the cache through these (the prefill conv window, the final recurrent state).
+CACHE_WRITES = ("update_conv_state", "update_recurrent_state")
+
+
+def _forward_names(kl) -> set:
+    forward = inspect.unwrap(kl.KimiLinearDeltaAttention.forward)
+    return set(getattr(getattr(forward, "__code__", None), "co_names", ()))
+
+
+def layer_form(kl=None) -> str:
+    """The key in ``LAYER_FORMS`` of how the installed ``KimiLinearDeltaAttention.forward`` reads
+    its cache (``IntegrationError`` naming what is missing when it is none of them)."""
+    if kl is None:
+        kl = kimi_linear_module()
+    called = _forward_names(kl)
     version = _transformers_version()
-    if not version.startswith(SUPPORTED_VERSIONS):
-        msg = (f"kdakit.integrations.transformers was written for transformers "
-               f"{', '.join(v + 'x' for v in SUPPORTED_VERSIONS)}; this is {version}.")
-        if not allow_untested_version:
-            raise IntegrationError(msg + " Install transformers==5.17.0, or pass allow_untested_version=True "
-                                         "to try anyway (the layer's names are still checked).")
-        warnings.warn(msg + " Trying anyway (allow_untested_version=True).", RuntimeWarning, stacklevel=3)
+    missing_writes = [n for n in CACHE_WRITES if n not in called]
+    if missing_writes:
+        raise IntegrationError(f"transformers {version}'s KimiLinearDeltaAttention.forward does not write its cache "
+                               f"through {', '.join(missing_writes)}: a form kdakit was not written against.")
+    lacks = {}
+    for key, (_, names) in LAYER_FORMS.items():
+        lacks[key] = [n for n in names if n not in called]
+        if not lacks[key]:
+            return key
+    raise IntegrationError(
+        f"transformers {version}'s KimiLinearDeltaAttention.forward reads its cache in no form kdakit knows: "
+        + "; ".join(f"{LAYER_FORMS[k][0].split(':')[0]} form ({k}) needs {', '.join(v)}" for k, v in lacks.items())
+        + ", which it does not use.")
+
+
+def _torch_body(fn):
+    """transformers' PyTorch body behind a bound name (its fallback decorator keeps it as
+    ``__wrapped__``), or None when it cannot be found (a hub-kernel module, say)."""
+    body = inspect.unwrap(fn) if callable(fn) and hasattr(fn, "__wrapped__") else None
+    return None if body is None or body is fn else body
+
+
+def _check_parameters(kl, version: str) -> None:
+    """Every named parameter of transformers' own body of each name is one kdakit's replacement
+    takes (the forward calls the name as it would call the body)."""
+    for name in REPLACED:
+        body = _torch_body(_originals[name] if _originals is not None else getattr(kl, name))
+        if body is None:
+            continue
+        ours = inspect.signature(_REPLACEMENTS[name]).parameters
+        theirs = inspect.signature(body).parameters
+        unknown = [p for p, v in theirs.items() if v.kind not in (v.VAR_POSITIONAL, v.VAR_KEYWORD) and p not in ours]
+        if unknown:
+            raise IntegrationError(f"transformers {version}'s {name} takes {', '.join(unknown)}, which kdakit's "
+                                   f"replacement does not: a call kdakit was not written against.")
+
+
+def kimi_linear_module(allow_untested_version: bool = False):
+    """transformers' Kimi Linear modeling module, after checking that kdakit can plug into it:
+    the four names bound and called by the KDA layer's forward, its cache read in a known form
+    (``layer_form``), transformers' bodies of the four taking no parameter kdakit's do not. A
+    release outside ``TESTED`` that passes these gets a ``RuntimeWarning`` (none with
+    ``allow_untested_version=True``)."""
+    version = _transformers_version()
     import importlib
     try:
         kl = importlib.import_module(MODULE)
@@ -156,12 +241,18 @@ def kimi_linear_module(allow_untested_version: bool = False):
     if missing:
         raise IntegrationError(f"transformers {version}'s Kimi Linear has no {', '.join(missing)}: kdakit cannot "
                                "replace its KDA kernels.")
-    forward = inspect.unwrap(kl.KimiLinearDeltaAttention.forward)
-    called = set(getattr(getattr(forward, "__code__", None), "co_names", ()))
+    called = _forward_names(kl)
     not_called = [name for name in REPLACED if name not in called]
     if not_called:
         raise IntegrationError(f"transformers {version}'s KimiLinearDeltaAttention.forward does not call "
                                f"{', '.join(not_called)} by name: rebinding it would change nothing.")
+    layer_form(kl)
+    _check_parameters(kl, version)
+    release = _release(version)
+    if not allow_untested_version and (release is None or not TESTED[0] <= release <= TESTED[1]):
+        warnings.warn(f"kdakit.integrations.transformers was tested on transformers {_tested()} ({REQUIREMENT}); "
+                      f"this is {version}. Its Kimi Linear layer looks like a known form, so kdakit plugs in; "
+                      "check the outputs (kdakit demo).", RuntimeWarning, stacklevel=3)
     return kl
 
 
@@ -223,8 +314,8 @@ def torch_functions(allow_untested_version: bool = False) -> dict:
     out = {}
     for name in REPLACED:
         fn = original(name) if _originals is not None else getattr(kl, name)
-        body = inspect.unwrap(fn) if callable(fn) and hasattr(fn, "__wrapped__") else None
-        if body is None or body is fn:
+        body = _torch_body(fn)
+        if body is None:
             raise IntegrationError(f"cannot find transformers' PyTorch body behind {name} ({fn!r}).")
         out[name] = body
     return out
