@@ -124,7 +124,11 @@ def checks():
 # --sweep: Conv1dVarlenConfig fields changed from the picked config (harness.parse_configs syntax)
 SWEEP = {
     "rows": "block_c=512,num_warps=2;block_c=2048,num_warps=8;block_t=16;block_t=4;token_major=true;"
-            "block_t=32,block_c=256;block_t=16,block_c=512",
+            "block_t=32,block_c=256;block_t=16,block_c=512;"
+            # the "rows" form: each input row loaded once (candidates not yet timed on a GPU)
+            "form=rows,block_t=32,block_c=1024,num_warps=4;form=rows,block_t=16,block_c=1024,num_warps=4;"
+            "form=rows,block_t=64,block_c=512,num_warps=2;form=rows,block_t=32,block_c=512,num_warps=2;"
+            "form=rows,block_t=32,block_c=2048,num_warps=8",
     "transposed": "block_c=32;block_c=128;block_c=128,num_warps=8;block_t=128;block_t=128,num_warps=8;"
                   "block_t=32,block_c=128;token_major=false",
 }

@@ -95,6 +95,14 @@ kdakit.causal_conv1d_varlen(x_var, rnd(slots, W - 1, C).transpose(1, 2), conv_w,
                             activation=None, backend="triton")
 kdakit.causal_conv1d_varlen(x_var, rnd(slots, C, 1), torch.randn(C, 2), cu_var, slots_var, backend="triton")  # W=2
 kdakit.causal_conv1d_varlen(x_var, conv_state, conv_w, cu_var[::3].contiguous(), slots_var[:1], backend="triton")  # N=1
+# the "rows" form of the varlen conv (a program streams its tokens a row at a time)
+from kdakit.ops.conv1d_varlen import Conv1dVarlenConfig, causal_conv1d_varlen_triton  # noqa: E402
+for conv_cfg in (Conv1dVarlenConfig(32, 1024, 4, form="rows"), Conv1dVarlenConfig(16, 512, 2, form="rows")):
+    n_before = len(COMPILED_FOR_TARGET)
+    causal_conv1d_varlen_triton(x_var, conv_state, conv_w, cu_var, slots_var, torch.empty_like(x_var),
+                                has_initial_state=torch.tensor([True, False, True]), bias=torch.randn(C),
+                                config=conv_cfg)
+    assert COMPILED_FOR_TARGET[n_before:] == ["_causal_conv1d_varlen_rows_kernel"], COMPILED_FOR_TARGET[n_before:]
 kdakit.gated_rmsnorm(rnd(N, HV, V), rnd(N, HV, V), torch.rand(V), backend="triton")
 q, k, v = rnd(N, T, H, K), rnd(N, T, H, K), rnd(N, T, HV, V)
 aT, bT = rnd(N, T, HV, K), rnd(N, T, HV)
@@ -109,6 +117,13 @@ kdakit.mtp_verify(q, k, v, aT, bT, A_log, dt_bias, state, idx, scratch, conv_wei
                   conv_states=conv_states, intermediate_conv=inter, snapshots=snaps, lower_bound=-5.0,
                   norm_gate=rnd(N, T, HV, V), norm_weight=torch.rand(V), backend="triton")
 kdakit.mtp_verify(q, k, v, aT, bT, A_log, dt_bias, state, idx, scratch, rings=rings, backend="triton")
+# q, k, v, a, b as views of packed projections (one stride between tokens, as sglang's chain verify passes them)
+packed_qkv = rnd(N * T, 2 * H * K + HV * V + 8)
+qs, ks, vs = (t.reshape(N, T, -1, d) for t, d in zip(packed_qkv[:, :2 * H * K + HV * V].split(chans, dim=1),
+                                                       (K, K, V)))
+kdakit.mtp_verify(qs, ks, vs, rnd(N * T, HV * K + 8)[:, :HV * K].reshape(N, T, HV, K),
+                  rnd(N * T, HV + 3)[:, :HV].reshape(N, T, HV), A_log, dt_bias, state, idx, scratch, snapshots=snaps,
+                  backend="triton")
 kdakit.mtp_verify(q, k, v, aT, bT, A_log, dt_bias, state, idx, scratch, conv_weights=conv_weights,
                   conv_states=conv_states, intermediate_conv=inter, rings=rings, backend="triton")
 from kdakit.ops.mtp_verify import mtp_verify_config, mtp_verify_triton  # noqa: E402
