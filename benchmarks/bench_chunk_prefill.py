@@ -94,32 +94,13 @@ def fla_call(layer, lower_bound, use_graph=True):
     return call
 
 
-def eager_time_us(calls, reps: int = 10) -> float:
-    """Median µs per call over ``reps`` passes of ``calls`` (CUDA events), after warm-up."""
-    for _ in range(2):
-        for call in calls:
-            call()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for call in calls:
-            call()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(calls))
-    times.sort()
-    return times[len(times) // 2]
-
-
 def timed(calls):
     """(µs, how): a CUDA-graph median when the calls capture, else eager events."""
     try:
         return harness.graph_time_us(calls, replays=10), "graph"
     except Exception as exc:  # noqa: BLE001  (fla's host-side planning may not capture)
         torch.cuda.synchronize()
-        return eager_time_us(calls), f"eager ({type(exc).__name__})"
+        return harness.eager_time_us(calls), f"eager ({type(exc).__name__})"
 
 
 # ----------------------------------------------------------------------------

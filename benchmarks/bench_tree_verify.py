@@ -27,6 +27,7 @@ import torch
 import kdakit
 from kdakit import reference
 from kdakit.bench import harness
+from kdakit.bench.inputs import top2_parents
 from kdakit.ops.mtp_verify import VerifyConfig, ring_form
 from kdakit.ops.ring_verify import RingVerifyConfig
 from kdakit.ops.tree_commit import TreeCommitConfig
@@ -36,17 +37,6 @@ K = V = 128
 W = 4
 LOWER_BOUND = -5.0
 STATE_BYTES = HV * V * K * 4
-
-
-def top2_parents(T):
-    """Two candidates a level, the first expanded (EAGLE top-k 2); cut to T nodes."""
-    parents = [-1]
-    level = 1
-    while len(parents) < T:
-        expanded = 0 if level == 1 else 2 * level - 3
-        parents += [expanded, expanded]
-        level += 1
-    return parents[:T]
 
 
 def random_parents(T, gen, width=3):

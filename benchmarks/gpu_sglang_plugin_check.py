@@ -39,6 +39,8 @@ import zipfile
 
 import torch
 
+from kdakit.bench.inputs import top2_parents
+
 H = HV = 32
 K = V = 128
 DEVICE = "cuda"
@@ -323,15 +325,6 @@ def extend_case(seqlens, seed, *, graph):
     return args, idx
 
 
-def top2_tree(T):
-    parents, level = [-1], 1
-    while len(parents) < T:
-        expanded = 0 if level == 1 else 2 * level - 3
-        parents += [expanded, expanded]
-        level += 1
-    return parents[:T]
-
-
 def verify_case(N, draft, seed, *, tree, padded):
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
     T = N * draft
@@ -348,7 +341,7 @@ def verify_case(N, draft, seed, *, tree, padded):
                 intermediate_states_buffer=snaps,
                 intermediate_state_indices=torch.arange(N + 1, dtype=torch.int32, device=DEVICE).clamp_max(N),
                 cache_steps=draft,
-                retrieve_parent_token=(torch.tensor([top2_tree(draft)] * N, dtype=torch.int32, device=DEVICE)
+                retrieve_parent_token=(torch.tensor([top2_parents(draft)] * N, dtype=torch.int32, device=DEVICE)
                                        if tree else None),
                 lower_bound=None)
     return args, idx

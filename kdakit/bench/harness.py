@@ -77,6 +77,24 @@ def graph_time_us(calls, replays: int = 20, warmup: int = 3) -> float:
     return statistics.median(times) / len(calls)
 
 
+def eager_time_us(calls, reps: int = 10) -> float:
+    """Median µs per call over ``reps`` passes of ``calls`` run eagerly (CUDA events around each
+    pass), after a warm-up pass: for calls that cannot be captured in a graph."""
+    for call in calls:
+        call()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for call in calls:
+            call()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(calls))
+    return statistics.median(times)
+
+
 def eager_host_us(call, iters: int = 300) -> float:
     """Wall µs per eager call (host overhead dominates at small sizes), after a warm-up."""
     for _ in range(20):

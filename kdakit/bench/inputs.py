@@ -157,3 +157,14 @@ def mtp_verify_inputs(N, T, H, HV, K, V, *, conv, mode, W=4, norm=False, ring_le
         L["norm_weight"] = uniform(V) + 0.5
     L["out"] = torch.empty(N, T, HV, V, device=device, dtype=act_dtype)
     return L
+
+
+def top2_parents(T: int) -> list[int]:
+    """An EAGLE top-2 tree of ``T`` nodes: two candidates a level, the first expanded; node t's
+    parent (-1: the committed state)."""
+    parents, level = [-1], 1
+    while len(parents) < T:
+        expanded = 0 if level == 1 else 2 * level - 3
+        parents += [expanded, expanded]
+        level += 1
+    return parents[:T]

@@ -38,7 +38,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -105,38 +104,25 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def eager_time_us(calls, device, reps=10) -> float:
-    """Median µs per call over ``reps`` passes of ``calls`` (CUDA events; perf_counter on CPU)."""
+def cpu_time_us(calls) -> float:
+    """µs per call of one pass of ``calls`` on the CPU (the interpreter: the logic, not a speed)."""
     for call in calls:
         call()
-    _sync(device)
-    times = []
-    for _ in range(reps if device == "cuda" else 1):
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for call in calls:
-                call()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3)
-        else:
-            t0 = time.perf_counter()
-            for call in calls:
-                call()
-            times.append((time.perf_counter() - t0) * 1e6)
-    return statistics.median(times) / len(calls)
+    t0 = time.perf_counter()
+    for call in calls:
+        call()
+    return (time.perf_counter() - t0) * 1e6 / len(calls)
 
 
 def time_calls(calls, device) -> tuple[float, str]:
     """(µs per call, "graph" | "eager")."""
     if device != "cuda":
-        return eager_time_us(calls, device), "interpreted"
+        return cpu_time_us(calls), "interpreted"
     try:
         return harness.graph_time_us(calls), "graph"
     except Exception:  # noqa: BLE001  (a host sync or allocation the capture refuses)
         torch.cuda.synchronize()
-        return eager_time_us(calls, device), "eager"
+        return harness.eager_time_us(calls), "eager"
 
 
 class Runner:
@@ -293,15 +279,6 @@ def eager_rows(r: Runner):
         r.eager_cell("eager_host", op, {"kdakit": make})
 
 
-def _top2_parents(T):
-    parents, level = [-1], 1
-    while len(parents) < T:
-        expanded = 0 if level == 1 else 2 * level - 3
-        parents += [expanded, expanded]
-        level += 1
-    return parents[:T]
-
-
 def verify_rows(r: Runner):
     s, dev = r.s, r.s.device
     H = HV = s.H
@@ -318,7 +295,7 @@ def verify_rows(r: Runner):
                 def parents_for(N, T=T, kind=kind):
                     if kind == "chain":
                         return None
-                    return torch.tensor([_top2_parents(T)] * N, dtype=torch.int32, device=dev)
+                    return torch.tensor([inputs.top2_parents(T)] * N, dtype=torch.int32, device=dev)
                 impls = {"kdakit": lambda seed, mk=mk, N=N, mode=mode: pc.verify_kdakit(mk(seed), mode, parents_for(N)),
                          "sglang": (lambda seed, mk=mk, N=N, mode=mode: pc.verify_sglang(sgl, mk(seed), mode,
                                                                                         parents_for(N)))
