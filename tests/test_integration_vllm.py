@@ -15,6 +15,7 @@ replaced on both sides by the same float64 gated RMSNorm: both ``_forward``s cal
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import types
 
@@ -460,3 +461,147 @@ def test_wrong_conv_window_columns_are_caught(vl, monkeypatch):
     res = run_both(vl, monkeypatch, m, T_pad=2, num_spec=2)
     with pytest.raises(AssertionError):
         assert_same(res, 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# benchmarks/gpu_vllm_plugin_check.py on the CPU: its PeerLayer against vLLM's own _forward, its
+# checks catching plugin bugs, its --build-peer layout and --cpu-interpret run
+# ---------------------------------------------------------------------------------------------
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+
+
+@pytest.fixture
+def script(vl, monkeypatch):
+    sys.path.insert(0, BENCH)
+    try:
+        import gpu_vllm_plugin_check as s
+    finally:
+        sys.path.remove(BENCH)
+    for name, value in (("H", H), ("D", D), ("DEVICE", "cpu"), ("STATE_BYTES", H * D * D * 4)):
+        monkeypatch.setattr(s, name, value)
+    assert s.W == W
+    return s
+
+
+def _recording(log, name, fn):
+    """``fn``, logging its name and arguments (tensors as shape, strides, dtype and a copy of the
+    values; vLLM's metadata object as a marker) at each call."""
+    def norm(x, values=True):
+        if isinstance(x, torch.Tensor):
+            return ("tensor", tuple(x.shape), x.stride(), x.dtype, x.detach().clone() if values else None)
+        if hasattr(x, "num_actual_tokens"):
+            return ("metadata",)
+        return x
+
+    def call(*args, **kwargs):
+        if isinstance(kwargs.get("out"), torch.Tensor):
+            kwargs["out"].fill_(0)        # torch.empty on both sides: rows a kernel skips, made alike
+        log.append((name, [norm(a) for a in args],        # ``out`` buffers: torch.empty, their values not compared
+                    {k: norm(v, k != "out") for k, v in sorted(kwargs.items())}))
+        return fn(*args, **kwargs)
+    return call
+
+
+def _same(a, b):
+    if isinstance(a, tuple) and a and a[0] == "tensor":
+        return isinstance(b, tuple) and a[:4] == b[:4] and (
+            a[4] is b[4] is None or (a[4] is not None and b[4] is not None and torch.equal(a[4], b[4])))
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return a == b
+
+
+def test_gpu_check_script_peer_layer_is_vllms_forward(vl, script, monkeypatch):
+    """The script's PeerLayer._forward against vLLM 0.33.0's own KimiGatedDeltaNetAttention._forward
+    (the installed one), both on the same recording float64 kernels, for every batch kind of the
+    script's CPU run: the same kernel calls in the same order with the same arguments (shapes,
+    strides, dtypes, values), and the same outputs and pools, bitwise."""
+    log = []
+    kernels, nk = make_vllm_kernels(Calls())
+    kernels.update(chunk_kda_with_fused_gate=nk.chunk_kda_with_fused_gate, fused_recurrent_kda=nk.fused_recurrent_kda,
+                   fused_recurrent_kda_packed_decode=nk.fused_recurrent_kda_packed_decode)
+    rec = {name: _recording(log, name, fn) for name, fn in kernels.items()}
+    for name in ("causal_conv1d_fn", "causal_conv1d_update", "gather_initial_states"):
+        monkeypatch.setattr(vl.kg, name, rec[name])
+    nk_rec = types.ModuleType(NK)
+    for name in ("chunk_kda_with_fused_gate", "fused_recurrent_kda", "fused_recurrent_kda_packed_decode"):
+        setattr(nk_rec, name, rec[name])
+    monkeypatch.setitem(sys.modules, NK, nk_rec)
+    monkeypatch.setattr(vl.kg, "get_forward_context", lambda: script.FORWARD_CONTEXT)
+    monkeypatch.setattr(vl.kg, "is_conv_state_dim_first", lambda: False)
+    peer = script.make_peer_class(rec)
+    stock = type("Stock", (peer,), {"_forward": vl.original})       # vLLM's own _forward, on the same layer
+    for lower_bound in (None, LOWER_BOUND):
+        params = script.make_params(0, lower_bound)
+        for case in script.check_cases(True, cpu=True):
+            pages = script.make_pages(1, case.slots, case.num_spec)
+            inputs = script.make_inputs(2, case.T_pad)
+            runs = {}
+            for name, cls in (("vllm", stock), ("peer", peer)):
+                start = len(log)
+                runs[name] = script.run_side(cls, params, case, pages, inputs, vl.gdn.GDNAttentionMetadata)
+                runs[name]["log"] = log[start:]
+            a, b = runs["vllm"], runs["peer"]
+            assert [c[0] for c in a["log"]] == [c[0] for c in b["log"]] and a["log"], case.name
+            for ca, cb in zip(a["log"], b["log"]):
+                assert _same(ca, cb), (case.name, ca[0])
+            for key in ("out", "pre_norm", "conv", "rec"):
+                assert torch.equal(a[key].nan_to_num(7.0), b[key].nan_to_num(7.0)), (case.name, key)
+
+
+@pytest.mark.parametrize("bug", ["padding slot 0 not mapped", "wrong conv window columns", "none"])
+def test_gpu_check_script_catches_plugin_bugs(vl, script, monkeypatch, bug):
+    """The script's comparison fails on deliberate plugin bugs (float64 kernels for vLLM's side,
+    kdakit's reference backend for speed)."""
+    monkeypatch.setenv("KDAKIT_BACKEND", "reference")
+    kernels, nk = make_vllm_kernels(Calls())
+    kernels.update(chunk_kda_with_fused_gate=nk.chunk_kda_with_fused_gate, fused_recurrent_kda=nk.fused_recurrent_kda,
+                   fused_recurrent_kda_packed_decode=nk.fused_recurrent_kda_packed_decode)
+    if bug == "padding slot 0 not mapped":
+        monkeypatch.setattr(vl.integ, "_null_to_padding", lambda idx: idx)
+    elif bug == "wrong conv window columns":
+        real = vl.integ.conv_window
+        monkeypatch.setattr(vl.integ, "conv_window", lambda conv_state, w: real(conv_state, w + 2)[..., 2:])
+    peer_cls, ours_cls = script.make_layer_classes(kernels)
+    results = {"checks": []}
+    case = script.decode_case(3, 2, 1, num_spec=script.NUM_SPEC)      # padding rows, a spec-sized conv pool
+    ok = script.compare(case, peer_cls, ours_cls, script.make_params(0), results)
+    assert ok is (bug == "none"), results["checks"]
+
+
+def _peer_from_installed_vllm(script, tmp_path):
+    """The script's --build-peer layout from the installed vLLM's files (zipped as the wheel holds them)."""
+    import zipfile
+    import vllm
+    site = os.path.dirname(os.path.dirname(os.path.abspath(vllm.__file__)))
+    wheel = tmp_path / "vllm-0.33.0-kernels.zip"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        for entry in script.PEER_FILES:
+            path = os.path.join(site, entry)
+            files = [os.path.join(r, f) for r, _, fs in os.walk(path) for f in fs if f.endswith(".py")] \
+                if entry.endswith("/") else [path]
+            for f in files:
+                zf.write(f, os.path.relpath(f, site))
+    return script.build_peer(str(tmp_path / "peer"), str(wheel))
+
+
+@pytest.mark.parametrize("quick", [True, pytest.param(False, marks=pytest.mark.exhaustive)])
+def test_gpu_check_script_cpu_interpret(vl, script, tmp_path, quick):
+    """--build-peer's stand-in package from vLLM's own kernel files, then --cpu-interpret in a fresh
+    process (the stand-in package first on the path): every batch kind checked, none failing."""
+    import subprocess
+    peer = _peer_from_installed_vllm(script, tmp_path)
+    assert not os.path.exists(os.path.join(peer, "vllm", "models", "kimi_k3", "nvidia", "model.py"))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([peer, os.path.dirname(BENCH)]), "TRITON_INTERPRET": "1",
+           "KDAKIT_BACKEND": "triton"}
+    run = subprocess.run([sys.executable, os.path.join(BENCH, "gpu_vllm_plugin_check.py"), "--cpu-interpret"]
+                         + (["--quick"] if quick else []), env=env, capture_output=True, text=True, timeout=600,
+                         cwd=str(tmp_path))
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "kernels from the wheel's kernel files under kdakit's stand-in package" in run.stdout, run.stdout
+    for case in ("decode N=3+2 pad", "decode N=2+1 pad spec-sized pool (L=6)", "prefill 2 seqs (first + continued)",
+                 "mixed prefill + decode", "spec-only accepted 1..4 +1 pad", "mixed spec + prefill"):
+        assert run.stdout.count(f"ok   {case}:") == (1 if quick else 2), run.stdout
+    assert "FAIL" not in run.stdout
