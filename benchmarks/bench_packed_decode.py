@@ -138,8 +138,8 @@ SWEEP = ("block_v=4,v_tiles=1;block_v=4,v_tiles=2;block_v=8,v_tiles=1;block_v=8,
          "block_v=16,v_tiles=1;block_v=16,v_tiles=2;"
          # bf16 pools (82% of the copy floor at N = 512 against sglang's 92%, issue 51): more state
          # bytes per program for the same q/k/gate prologue (not yet timed)
-         "block_v=16,v_tiles=4;block_v=32,v_tiles=1;block_v=32,v_tiles=2;block_v=32,num_warps=2;"
-         "block_v=64,num_warps=2;block_v=64,num_warps=4")
+         "block_v=16,v_tiles=4;block_v=32,v_tiles=1;block_v=32,v_tiles=2;block_v=32,v_tiles=1,num_warps=2;"
+         "block_v=64,v_tiles=1,num_warps=2;block_v=64,v_tiles=1,num_warps=4")
 
 
 def sweep_groups(configs=None, sweep=False):

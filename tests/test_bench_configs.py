@@ -33,13 +33,15 @@ def count(text):
 
 
 def test_packed_decode_sweep_is_the_old_list():
+    """The old list, then the bf16-pool candidates (more state bytes per program)."""
     groups = bench_packed_decode.sweep_groups(sweep=True)
-    assert len(groups) == count(bench_packed_decode.SWEEP) == 7
+    assert len(groups) == count(bench_packed_decode.SWEEP) == 13
     for sd in (4, 2):  # the HV = 32 pools it sweeps: float32 and bfloat16 (N >= 32)
         configs = [harness.parse_configs(g, PackedDecodeConfig, base=packed_decode_config(128, 32, 128, 128, sd))[0]
                    for g in groups]
-        assert configs == [PackedDecodeConfig(bv, t, 1, 1, "") for bv, t in ((4, 1), (4, 2), (8, 1), (8, 2), (8, 4),
-                                                                             (16, 1), (16, 2))]
+        assert configs == [PackedDecodeConfig(bv, t, w, 1, "") for bv, t, w in (
+            (4, 1, 1), (4, 2, 1), (8, 1, 1), (8, 2, 1), (8, 4, 1), (16, 1, 1), (16, 2, 1),
+            (16, 4, 1), (32, 1, 1), (32, 2, 1), (32, 1, 2), (64, 1, 2), (64, 1, 4))]
     assert bench_packed_decode.sweep_groups() == []
 
 
