@@ -128,10 +128,15 @@ def time_calls(calls, device) -> tuple[float, str]:
 class Runner:
     """Builds, checks and times one row's implementations; collects rows and progress."""
 
-    def __init__(self, sizes: Sizes, peers: dict, progress=print):
-        self.s, self.peers, self.progress = sizes, peers, progress
+    def __init__(self, sizes: Sizes, peers: dict, progress=print, on_row=None):
+        self.s, self.peers, self.progress, self.on_row = sizes, peers, progress, on_row
         self.rows, self.ceiling = [], None
         self.t0 = time.perf_counter()
+
+    def _add(self, row):
+        self.rows.append(row)
+        if self.on_row is not None:
+            self.on_row(self.rows)
 
     def peer(self, name):
         p = self.peers.get(name)
@@ -177,7 +182,7 @@ class Runner:
                 torch.cuda.empty_cache()
         if row["floor"] is not None and unit == "ms":
             row["floor"] /= 1e3
-        self.rows.append(row)
+        self._add(row)
         cells = "  ".join(f"{n} {_fmt(row.get(n))}" for n in impls)
         self.progress(f"[{time.perf_counter() - self.t0:6.1f} s] {op:22s} {case:16s} {cells}")
         return row
@@ -202,7 +207,7 @@ class Runner:
                 row["timing"][name] = "eager host"
             except Exception as exc:  # noqa: BLE001
                 row[name], row["agree"][name] = None, f"error: {type(exc).__name__}: {str(exc)[:160]}"
-        self.rows.append(row)
+        self._add(row)
         self.progress(f"[{time.perf_counter() - self.t0:6.1f} s] {op:22s} {case:16s} "
                       + "  ".join(f"{n} {_fmt(row.get(n))}" for n in impls))
         return row
@@ -364,7 +369,9 @@ def versions(peers) -> dict:
     return out
 
 
-def run(sizes: Sizes, groups=tuple(GROUPS), *, check=True, progress=print) -> dict:
+def run(sizes: Sizes, groups=tuple(GROUPS), *, check=True, progress=print, partial_json=None) -> dict:
+    """The whole record. ``partial_json``: a path rewritten after every row (``"partial": true``),
+    so that a run cut short still leaves its rows."""
     peers = pc.find_peers()
     result = {"env": harness.environment() if sizes.device == "cuda" else
               {"gpu": None, "device": "cpu (Triton interpreter)", "command": " ".join(sys.argv)},
@@ -380,7 +387,10 @@ def run(sizes: Sizes, groups=tuple(GROUPS), *, check=True, progress=print) -> di
                            "failed": [f"{r['op']} {r['backend']}" for r in rows if not r["ok"]]}
         progress(f"kdakit check: {result['check']['agree']} of {result['check']['of']} agree with float64"
                  + (f"; failed: {result['check']['failed']}" if result["check"]["failed"] else ""))
-    r = Runner(sizes, peers, progress)
+    def save_partial(rows):
+        with open(partial_json, "w") as f:
+            json.dump({**result, "partial": True, "rows": rows}, f, indent=1)
+    r = Runner(sizes, peers, progress, on_row=save_partial if partial_json else None)
     if sizes.device == "cuda":
         r.ceiling = result["copy_ceiling_GBps"] = round(harness.copy_ceiling_gbps(), 1)
         progress(f"copy ceiling {r.ceiling} GB/s")
@@ -500,12 +510,14 @@ def main(args) -> int:
                   file=sys.stderr)
             return 2
         sizes = QUICK if args.quick else FULL
-    result = run(sizes, groups, check=not args.no_check, progress=lambda line: print(line, flush=True))
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    result = run(sizes, groups, check=not args.no_check, progress=lambda line: print(line, flush=True),
+                 partial_json=args.json)
     print()
     for line in table_lines(result):
         print(line)
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
         print(f"JSON: {args.json}")
