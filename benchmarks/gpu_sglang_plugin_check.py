@@ -81,6 +81,9 @@ def is_arch_support_pdl():
 def kda_packed_decode(*args, **kwargs):
     raise NotImplementedError("sglang's CUDA JIT packed decode is not part of this peer")
 ''',
+    # the wheel's package file registers its CUDA JIT kernels with sglang's kernel registry; the
+    # peer imports the Triton conv module directly
+    "sglang/kernels/ops/mamba/__init__.py": "",
     "sglang/srt/__init__.py": "",
     "sglang/srt/utils/__init__.py": '''import contextlib
 
