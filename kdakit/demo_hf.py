@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from .demo import OpTimer, Progress, generate_plain, generate_speculative, generate_tree, _null
+from .generation import OpTimer, Progress, generate_plain, generate_speculative, generate_tree, _null
 from .layer import KDALayer
 from .state_pool import PAD, StatePool
 
