@@ -169,7 +169,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="kdakit's own tiny KDA-only model (no transformers): plain vs one speculative mode (--spec), "
                         "the safe gate (--lower-bound) and per-op timings")
     p.add_argument("--model", default=None, metavar="PATH",
-                   help="a local Kimi Linear checkpoint directory (config + safetensors) instead of the tiny model")
+                   help="a local Kimi Linear checkpoint directory (config.json of model_type kimi_linear + safetensors, "
+                        "as save_pretrained writes them) instead of the tiny model; exit 2 naming what is wrong when "
+                        "it is not one")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="model dtype (transformers demo)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     p.add_argument("--spec", choices=("ring", "snapshot", "tree", "tree-ring"), default="ring",
