@@ -77,7 +77,7 @@ class Progress:
 
 
 # ----------------------------------------------------------------------------
-# The two generations
+# The generations: plain, chain drafts, draft trees
 # ----------------------------------------------------------------------------
 def generate_plain(model, prompts, new_tokens: int, progress: bool) -> list[list[int]]:
     N = len(prompts)
