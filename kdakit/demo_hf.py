@@ -20,14 +20,108 @@ float32 rounding of (a)'s (bf16 rounding for a bf16 model).
 from __future__ import annotations
 
 import json
+import pathlib
 import sys
 import time
+from contextlib import contextmanager
 
 import torch
 
-from .demo import OpTimer, Progress, generate_plain, generate_speculative, generate_tree, _null
+from .generation import OpTimer, Progress, generate_plain, generate_speculative, generate_tree, _null
 from .layer import KDALayer
 from .state_pool import PAD, StatePool
+
+
+class CheckpointError(ValueError):
+    """``--model PATH`` is not a Kimi Linear checkpoint kdakit can load (said in one line, exit 2)."""
+
+
+# The fields of config.json without which a Kimi Linear config falls back to the 48B model's
+# sizes (KimiLinearConfig's defaults): checked before any tensor is allocated.
+REQUIRED_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+
+
+def _some(keys, n: int = 3) -> str:
+    keys = sorted(keys, key=str)
+    return ", ".join(map(str, keys[:n])) + (f" and {len(keys) - n} more" if len(keys) > n else "")
+
+
+@contextmanager
+def _quiet_transformers():
+    """transformers' loading report (a table per checkpoint) and progress bars off: a bad
+    checkpoint is said in CheckpointError's one line instead."""
+    from transformers.utils import logging
+    verbosity, bars = logging.get_verbosity(), logging.is_progress_bar_enabled()
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(verbosity)
+        if bars:
+            logging.enable_progress_bar()
+
+
+def load_checkpoint(path: str, dtype: torch.dtype, device) -> "torch.nn.Module":
+    """A local Kimi Linear checkpoint (config.json of ``model_type`` ``kimi_linear`` and its
+    safetensors: what ``save_pretrained`` writes, the published checkpoints' layout) as a
+    ``KimiLinearForCausalLM`` in eval mode. Raises :class:`CheckpointError` naming what is wrong
+    when the folder is not one: no config.json, another model type, a required field missing, no
+    KDA layer, no weights, or weights that do not fit the config (missing, unexpected or of
+    another shape: none of the model's tensors is left randomly initialised)."""
+    from .integrations import transformers as kt
+    kt.kimi_linear_module()
+    from transformers import KimiLinearConfig, KimiLinearForCausalLM
+    where = pathlib.Path(path)
+    if not where.is_dir():
+        raise CheckpointError(f"--model {path}: {'not a directory' if where.exists() else 'no such directory'} (a local Kimi Linear checkpoint: config.json and "
+                              "*.safetensors; download a published one first)")
+    config_file = where / "config.json"
+    if not config_file.is_file():
+        raise CheckpointError(f"--model {path}: no config.json in it (not a transformers checkpoint)")
+    try:
+        raw = json.loads(config_file.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"--model {path}: config.json is not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"--model {path}: config.json is not a JSON object")
+    if "model_type" not in raw:
+        raise CheckpointError(f"--model {path}: config.json has no model_type (a Kimi Linear checkpoint's is "
+                              f"{KimiLinearConfig.model_type!r})")
+    if raw["model_type"] != KimiLinearConfig.model_type:
+        raise CheckpointError(f"--model {path}: config.json's model_type is {raw.get('model_type')!r}, not "
+                              f"{KimiLinearConfig.model_type!r}: not a Kimi Linear checkpoint")
+    missing_fields = [name for name in REQUIRED_FIELDS if name not in raw]
+    if missing_fields:
+        raise CheckpointError(f"--model {path}: config.json has no {', '.join(missing_fields)}")
+    if not any(where.glob("*.safetensors")) and not any(where.glob("*.bin")):
+        raise CheckpointError(f"--model {path}: no weights in it (no *.safetensors)")
+    try:
+        config = KimiLinearConfig.from_pretrained(str(where))
+    except Exception as e:  # a field of the wrong type or value: transformers' own words
+        raise CheckpointError(f"--model {path}: config.json does not describe a Kimi Linear model: "
+                              f"{type(e).__name__}: {e}") from None
+    if "linear_attention" not in (config.layer_types or ()):
+        raise CheckpointError(f"--model {path}: no KDA layer (layer_types {config.layer_types})")
+    with _quiet_transformers():
+        model, info = KimiLinearForCausalLM.from_pretrained(str(where), config=config, dtype=dtype,
+                                                            output_loading_info=True, ignore_mismatched_sizes=True)
+    problems = []
+    if info.get("missing_keys"):
+        problems.append(f"{len(info['missing_keys'])} tensors missing ({_some(info['missing_keys'])})")
+    if info.get("mismatched_keys"):
+        shapes = [f"{k[0]}: checkpoint {list(k[1])}, config {list(k[2])}" if isinstance(k, tuple) and len(k) == 3
+                  else str(k) for k in info["mismatched_keys"]]
+        problems.append(f"{len(shapes)} tensors of another shape than config.json gives ({_some(shapes, 2)})")
+    if info.get("unexpected_keys"):
+        problems.append(f"{len(info['unexpected_keys'])} tensors the model has no place for "
+                        f"({_some(info['unexpected_keys'])})")
+    if info.get("error_msgs"):
+        problems.append("; ".join(map(str, info["error_msgs"][:2])))
+    if problems:
+        raise CheckpointError(f"--model {path}: the weights do not fit the model config.json describes: "
+                              + "; ".join(problems))
+    return model.eval().to(device)
 
 
 class _Latents:
@@ -218,9 +312,7 @@ def run(args) -> dict:
     progress = not args.quiet
     t_load = time.perf_counter()
     if args.model:
-        from transformers import KimiLinearForCausalLM
-        kt.kimi_linear_module()
-        model = KimiLinearForCausalLM.from_pretrained(args.model, dtype=dtype).eval().to(dev)
+        model = load_checkpoint(args.model, dtype, dev)
         what = f"checkpoint {args.model}"
     else:
         model = kt.tiny_model(seed=args.seed, dtype=dtype, device=dev)
@@ -321,7 +413,7 @@ def main(args) -> int:
         result = run(args)
     except Exception as e:  # a missing transformers, an unreadable checkpoint: say so, exit 2
         from .integrations.transformers import IntegrationError
-        if isinstance(e, (IntegrationError, ImportError, OSError)):
+        if isinstance(e, (CheckpointError, IntegrationError, ImportError, OSError)):
             print(f"kdakit demo: {e}", file=sys.stderr)
             return 2
         raise

@@ -10,17 +10,18 @@ counting into the buffer it captured. They are made on the first call on a devic
 during a graph capture they would belong to that graph alone, so run each op once eagerly
 before capturing it (engines warm up so anyway), or call ``counters(device)`` once.
 
-Which ops count, and the counter of each, come from the op registry: ``OPS`` (the ops that
-register with ``kdakit_op(..., counts_errors=True)``, sorted by name) and ``INDEX`` (name ->
-counter, the ``ERR_INDEX`` the kernels take) are read from it on first use, after ``import
-kdakit`` has registered every op: the op modules import this module, so it cannot import them.
+Which ops count, and the counter of each, come from ``kdakit.error_layout``, where the op
+registry declares every op registered with ``kdakit_op(..., counts_errors=True)``: ``OPS``
+(those ops, sorted by name) and ``INDEX`` (name -> counter, the ``ERR_INDEX`` the kernels take)
+are read from it on first use, after ``import kdakit`` has registered every op. The op modules
+and their registry sit above this module, so it imports nothing of ``kdakit.ops``.
 """
 from __future__ import annotations
 
 import torch
 
 from .buffers import kept_buffer, kept_buffers
-from .ops.registry import error_counting_ops
+from .error_layout import layout as error_counting_ops
 
 NO_COUNT = -1  # the ERR_INDEX of a kernel that runs inside an op whose other kernel counts
 _KIND = "index error counters"

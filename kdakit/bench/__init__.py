@@ -21,6 +21,8 @@ import os
 import sys
 import time
 
+from .plotting import pyplot  # kdakit.bench.pyplot, as before
+
 OPS = ("packed_decode", "fused_decode")
 H = HV = 32
 K = V = 128
@@ -125,19 +127,6 @@ def run(ops, batches, progress=print) -> dict:
             torch.cuda.empty_cache()
     results["copy_ceiling_GBps_end"] = round(harness.copy_ceiling_gbps(), 1)
     return results
-
-
-def pyplot():
-    """matplotlib's pyplot on the file-only backend, or None (said once) when it is missing."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("kdakit bench: matplotlib is not installed, so no plot; `pip install 'kdakit[bench]'` adds it.",
-              file=sys.stderr)
-        return None
-    return plt
 
 
 def plot(results: dict, path: str) -> str | None:

@@ -137,7 +137,7 @@ def run(names, gates=tuple(GATES), progress=print) -> dict:
 
 def plot(results: dict, path: str) -> str | None:
     """Tokens/s per case and gate, one bar per backend; None when matplotlib is missing."""
-    from . import pyplot
+    from .plotting import pyplot
     plt = pyplot()
     if plt is None:
         return None

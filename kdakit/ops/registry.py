@@ -55,9 +55,10 @@ contracts pin some of them).
 its example inputs (``@<name>_op.register_example``), which the generic tests iterate
 (opcheck, fullgraph compile, the sm_90 compile, the GPU compile/graph check). An op that
 treats out-of-range indices as padding rows and counts them says so (``counts_errors=True``);
-:func:`error_counting_ops` lays out their counters (``kdakit.errors``) from the registry.
+:func:`error_counting_ops` lays out their counters (``kdakit.errors``); the layout lives in
+``kdakit.error_layout``, below both this registry and ``kdakit.errors``.
 
-This module imports nothing of kdakit: the op modules sit above it.
+This module imports nothing of kdakit but ``kdakit.error_layout``: the op modules sit above it.
 """
 from __future__ import annotations
 
@@ -65,10 +66,11 @@ from typing import Callable
 
 import torch
 
+from .. import error_layout
+
 TAGS = (torch.Tag.needs_exact_strides,)
 
 OPS: dict[str, Op] = {}
-_counting: tuple[str, ...] | None = None  # the counters' layout, fixed by error_counting_ops()
 
 
 def _writes_only(*args, **kwargs):
@@ -158,9 +160,8 @@ def kdakit_op(name: str, *, mutates: tuple[str, ...], counts_errors: bool = Fals
     def decorate(body: Callable) -> Op:
         if name in OPS:
             raise ValueError(f"kdakit::{name} is already registered.")
-        if counts_errors and _counting is not None:
-            raise RuntimeError(f"kdakit::{name} counts index errors but registers after the counters were laid "
-                               f"out for {', '.join(_counting)}; import its module from kdakit/__init__.py.")
+        if counts_errors:
+            error_layout.declare(name)  # raises once the counters are laid out
         op = Op(name, mutates, body, dispatch, flatten, counts_errors)
         OPS[name] = op
         return op
@@ -169,14 +170,9 @@ def kdakit_op(name: str, *, mutates: tuple[str, ...], counts_errors: bool = Fals
 
 def error_counting_ops() -> tuple[str, ...]:
     """The ops that count index errors (``counts_errors=True``), sorted by name: an op's position
-    is its counter's index, which its kernels take as a constexpr (``kdakit.errors.INDEX``).
-    Sorted, the layout does not depend on the order the op modules import each other in. Fixed
-    by the first call, when the counters are first used (``import kdakit`` has registered every
-    op by then); a counting op registered later raises, as the counters have no room for it."""
-    global _counting
-    if _counting is None:
-        _counting = tuple(sorted(name for name, op in OPS.items() if op.counts_errors))
-    return _counting
+    is its counter's index (``kdakit.errors.INDEX``); see :func:`kdakit.error_layout.layout`. Fixed
+    by the first call; a counting op registered later raises, as the counters have no room for it."""
+    return error_layout.layout()
 
 
 # ----------------------------------------------------------------------------
