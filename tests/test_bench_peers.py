@@ -36,6 +36,15 @@ def _run(groups, monkeypatch, sizes=peers.CPU):
     return result
 
 
+def _skip_if_the_interpreter_cannot_run_sglang(row):
+    """sglang's verify kernel runs in some Triton releases' interpreters (3.9) and not in others
+    (3.6: a TypeError inside the interpreter): then there is no peer to compare on the CPU."""
+    cell = row["agree"].get("sglang")
+    if isinstance(cell, str) and cell.startswith("error: InterpreterError"):
+        import triton
+        pytest.skip(f"sglang's verify kernel does not run in Triton {triton.__version__}'s interpreter: {cell}")
+
+
 def _rows(result, op):
     return [r for r in result["rows"] if r["op"] == op]
 
@@ -48,6 +57,8 @@ def test_verify_rows_agree_with_sglang(sglang_kernels, monkeypatch):
     assert {r["op"] for r in rows} == {"chain_snapshot", "chain_ring", "tree_snapshot", "tree_ring"}
     for row in rows:
         assert row["kdakit"] is not None and row["agree"]["kdakit"] == 0.0
+        if row["op"] != "tree_ring":
+            _skip_if_the_interpreter_cannot_run_sglang(row)
         if row["op"] == "tree_ring":
             assert row["sglang"] is None and "no such mode" in row["agree"]["sglang"]
         else:
@@ -65,6 +76,7 @@ def test_a_disagreeing_peer_is_not_timed(sglang_kernels, monkeypatch):
     monkeypatch.setattr(peer_calls, "verify_sglang", wrong)
     sizes = dataclasses.replace(peers.CPU, chain_drafts=(1,), tree_nodes=())
     row = _run(("verify",), monkeypatch, sizes)["rows"][0]
+    _skip_if_the_interpreter_cannot_run_sglang(row)
     assert row["sglang"] is None and row["agree"]["sglang"].startswith("disagrees with kdakit")
 
 
