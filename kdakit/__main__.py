@@ -45,7 +45,8 @@ def main(argv=None) -> int:
         from . import check as check_mod
         return check_mod.main(args.device)
     if args.command == "bench":
-        return bench_mod.main(args)
+        from . import check as check_mod
+        return bench_mod.main(args, check=check_mod.run)
     parser.print_help()
     return 2
 

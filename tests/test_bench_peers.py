@@ -31,7 +31,7 @@ def sglang_kernels():
 def _run(groups, monkeypatch, sizes=peers.CPU):
     monkeypatch.setenv("KDAKIT_BACKEND", "triton")
     lines = []
-    result = peers.run(sizes, groups, check=False, progress=lines.append)
+    result = peers.run(sizes, groups, progress=lines.append)
     assert len(lines) >= len(result["rows"])  # one progress line a row, besides the peers' lines
     return result
 

@@ -152,11 +152,12 @@ def plot(results: dict, path: str) -> str | None:
     return path
 
 
-def main(args) -> int:
+def main(args, check=None) -> int:
+    """``check``: ``kdakit.check.run``, for ``--peers`` (passed in from the command line above)."""
     import torch
     if getattr(args, "peers", False):
         from . import peers
-        return peers.main(args)
+        return peers.main(args, check=check)
     if not torch.cuda.is_available():
         print("kdakit bench: no CUDA GPU here; the benchmark times the Triton kernels on a GPU. "
               "Run `kdakit demo` or `kdakit check` on this machine instead.", file=sys.stderr)

@@ -369,9 +369,10 @@ def versions(peers) -> dict:
     return out
 
 
-def run(sizes: Sizes, groups=tuple(GROUPS), *, check=True, progress=print, partial_json=None) -> dict:
+def run(sizes: Sizes, groups=tuple(GROUPS), *, check=None, progress=print, partial_json=None) -> dict:
     """The whole record. ``partial_json``: a path rewritten after every row (``"partial": true``),
-    so that a run cut short still leaves its rows."""
+    so that a run cut short still leaves its rows. ``check``: ``kdakit.check.run`` (passed in by
+    the command line, which sits above both), run first on the same device; None skips it."""
     peers = pc.find_peers()
     result = {"env": harness.environment() if sizes.device == "cuda" else
               {"gpu": None, "device": "cpu (Triton interpreter)", "command": " ".join(sys.argv)},
@@ -380,9 +381,8 @@ def run(sizes: Sizes, groups=tuple(GROUPS), *, check=True, progress=print, parti
               "vllm": "not timed: kdakit's vLLM rows come with its vLLM plugin"}
     for name, v in result["peers"].items():
         progress(f"peer {name}: {v}")
-    if check:
-        from .. import check as check_mod
-        rows = check_mod.run(sizes.device)
+    if check is not None:
+        rows = check(sizes.device)
         result["check"] = {"agree": sum(r["ok"] for r in rows), "of": len(rows),
                            "failed": [f"{r['op']} {r['backend']}" for r in rows if not r["ok"]]}
         progress(f"kdakit check: {result['check']['agree']} of {result['check']['of']} agree with float64"
@@ -491,7 +491,8 @@ def add_arguments(p) -> None:
                    help="with --peers: every row at tiny sizes through Triton's interpreter on the CPU")
 
 
-def main(args) -> int:
+def main(args, check=None) -> int:
+    """``check``: ``kdakit.check.run`` (the command line passes it), skipped with ``--no-check``."""
     groups = [g.strip() for g in args.groups.split(",") if g.strip()]
     unknown = [g for g in groups if g not in GROUPS]
     if unknown:
@@ -512,7 +513,7 @@ def main(args) -> int:
         sizes = QUICK if args.quick else FULL
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    result = run(sizes, groups, check=not args.no_check, progress=lambda line: print(line, flush=True),
+    result = run(sizes, groups, check=None if args.no_check else check, progress=lambda line: print(line, flush=True),
                  partial_json=args.json)
     print()
     for line in table_lines(result):
