@@ -152,3 +152,16 @@ def test_eager_rows(monkeypatch):
         assert row["kdakit"] is not None and row["kdakit"] > 0, row
     ops = {r["op"] for r in peers.summaries(result)["decode_vs_peers"]["rows"]}
     assert "eager_host_chunk_prefill" in ops
+
+
+def test_rel_in_chunks_equals_the_whole():
+    """The agreement measure, computed a chunk at a time (the snapshots are several GB on a GPU),
+    is the whole tensors' relative norm error; a non-finite value anywhere is inf."""
+    import torch
+    g = torch.Generator().manual_seed(0)
+    y = torch.randn(3, 1001, generator=g)
+    x = y + 1e-3 * torch.randn(3, 1001, generator=g)
+    whole = float((x.double() - y.double()).norm() / y.double().norm())
+    assert abs(peers.rel(x, y, chunk=97) - whole) < 1e-12 * whole
+    x[2, 1000] = float("nan")
+    assert peers.rel(x, y, chunk=97) == float("inf")
