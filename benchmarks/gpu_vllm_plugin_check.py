@@ -838,6 +838,16 @@ class InterpreterProbe:
         return (self.kernel if self.works[form] else self.stand_in)(*args, **kwargs)
 
 
+def importable_peer_kernels() -> dict | None:
+    """``peer_kernels()``, or None after saying how to get them."""
+    try:
+        return peer_kernels()
+    except ImportError as err:
+        print(f"vLLM's kernels do not import ({err}): run --build-peer and put {PEER_DIR} first on PYTHONPATH",
+              file=sys.stderr)
+        return None
+
+
 def cpu_interpret_checks(quick: bool) -> int:
     """The checks at tiny sizes on CPU tensors: kdakit's kernels and vLLM's Triton kernels in
     Triton's interpreter; where one of vLLM's cannot run there, the float64 version of
@@ -847,11 +857,8 @@ def cpu_interpret_checks(quick: bool) -> int:
         return 2
     os.environ.setdefault("KDAKIT_BACKEND", "triton")
     use_cpu_sizes()
-    try:
-        kernels = peer_kernels()
-    except ImportError as err:
-        print(f"vLLM's kernels do not import ({err}): run --build-peer and put {PEER_DIR} first on PYTHONPATH",
-              file=sys.stderr)
+    kernels = importable_peer_kernels()
+    if kernels is None:
         return 2
     print(peer_source())
     stand_ins = _test_stand_ins()
@@ -890,11 +897,8 @@ def main(argv=None):
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
-    try:
-        kernels = peer_kernels()
-    except ImportError as err:
-        print(f"vLLM's kernels do not import ({err}): run --build-peer and put {PEER_DIR} first on PYTHONPATH",
-              file=sys.stderr)
+    kernels = importable_peer_kernels()
+    if kernels is None:
         return 2
     from kdakit.bench import harness
     source = peer_source()
