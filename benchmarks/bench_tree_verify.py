@@ -380,7 +380,7 @@ def main():
                          "one, harness.parse_configs syntax, e.g. 'unroll_steps=false;prefetch_parent=true'")
     ap.add_argument("--ring-configs", default=None,
                     help="RingVerifyConfig variants of the ring verify (the chunk form whatever the batch) to time "
-                         "besides the picked form, e.g. 'one_launch=true,state_block_v=16;one_launch=true'")
+                         "besides the picked form, e.g. 'pair_dots=true,steps_warps=4;state_block_v=32,state_warps=2'")
     ap.add_argument("--commit-configs", default=None,
                     help="TreeCommitConfig variants of the path commit to time besides the picked one, e.g. "
                          "'block_v=8;block_v=32' (one warp: more warps are not the snapshot's bits)")

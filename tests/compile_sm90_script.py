@@ -40,15 +40,17 @@ def rnd(*shape, dtype=bf):
     return torch.randn(*shape, generator=g).to(dtype)
 
 
-def chunk_form(launcher, picker, *args, lower_bound=None, from_inputs=False, **kw):
+def chunk_form(launcher, picker, *args, lower_bound=None, from_inputs=False, pair_dots=False, **kw):
     """A verify's public call as its Triton launch, with its pinned config (``picker``) but
     ring mode's chunk form at any batch (``config=``); ``from_inputs``: its state kernel
-    forms its products from the inputs (``RingVerifyConfig.state_from_inputs``)."""
+    forms its products from the inputs (``RingVerifyConfig.state_from_inputs``); ``pair_dots``:
+    its steps kernel's products on tensor cores (``RingVerifyConfig.pair_dots``)."""
     q, v = args[0], args[2]
     (n, t, _, k), (hv, v_dim) = q.shape, v.shape[2:]
     config = picker(n, t, hv, v_dim, k, lower_bound)
     config = dataclasses.replace(config, ring_form="chunked",
-                                 ring=dataclasses.replace(config.ring, state_from_inputs=from_inputs))
+                                 ring=dataclasses.replace(config.ring, state_from_inputs=from_inputs,
+                                                          pair_dots=pair_dots))
     kw = dict(dict(conv_weights=None, conv_states=None, intermediate_conv=None, conv_bias=None, snapshots=None,
                    norm_gate=None, norm_weight=None, norm_eps=1e-6), **kw)
     return launcher(*args, torch.empty(v.shape, dtype=q.dtype), scale=k ** -0.5, lower_bound=lower_bound,
@@ -300,6 +302,20 @@ kdakit.mtp_verify(lq, lk, lv, la, lb, torch.rand(HT), torch.randn(HT * K), t_sta
                   snapshots=torch.zeros(2, TL, HT, V, K), backend="triton")
 assert COMPILED_FOR_TARGET[n_before:] == ["_tree_verify_kernel"] * 2 + ["_mtp_verify_kernel"], \
     COMPILED_FOR_TARGET[n_before:]
+# Ring mode's steps kernel with its products on tensor cores (RingVerifyConfig.pair_dots): a
+# 16-node tree under both gates (the default gate's per-program spread test), a 12-step chain.
+T16 = 16
+xq, xk, xv = rnd(N, T16, HT, K), rnd(N, T16, HT, K), rnd(N, T16, HT, V)
+xa, xb = rnd(N, T16, HT, K), rnd(N, T16, HT)
+x_parents = torch.tensor([[-1] + [(i - 1) // 2 for i in range(1, T16)], [-1] + list(range(T16 - 1))], dtype=torch.int32)
+x_rings = (rnd(slots, HT, T16, K), rnd(slots, HT, T16, V), torch.zeros(slots, HT, T16, K), torch.zeros(slots, HT, T16))
+n_before = len(COMPILED_FOR_TARGET)
+for lb in (None, -5.0):
+    chunk_form(tree_verify_triton, tree_verify_config, xq, xk, xv, xa, xb, torch.rand(HT), torch.randn(HT * K),
+               t_state, idx, scratch, x_parents, rings=x_rings, lower_bound=lb, pair_dots=True)
+chunk_form(mtp_verify_triton, mtp_verify_config, xq[:, :12], xk[:, :12], xv[:, :12], xa[:, :12], xb[:, :12],
+           torch.rand(HT), torch.randn(HT * K), t_state, idx, scratch, rings=x_rings, pair_dots=True)
+assert COMPILED_FOR_TARGET[n_before:].count("_ring_verify_steps_kernel") == 3, COMPILED_FOR_TARGET[n_before:]
 for name, op in OPS.items():  # each example is one more compile of its kernels: only where needed
     if name not in RAN:
         n_before = len(COMPILED_FOR_TARGET)

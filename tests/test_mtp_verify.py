@@ -351,6 +351,44 @@ def test_ring_chunk_form_pair_sums_both_ways(factored, T, lower_bound):
     assert_close(out, ref_out, 1e-5, "out")
 
 
+PAIR_DOTS_CASES = [  # (T, lower_bound, steep gate, dot_spread_max): which pair sums each program takes
+    pytest.param(11, -5.0, False, 60.0, id="T11-safegate-factored-dots"),
+    pytest.param(12, None, False, 60.0, id="T12-defaultgate-mild-dots"),
+    pytest.param(9, None, True, 60.0, id="T9-defaultgate-steep-by-column"),
+    pytest.param(12, None, False, 0.0, id="T12-defaultgate-bound0-by-column"),
+    pytest.param(5, -2.0, False, 60.0, id="T5-padded-to-16-rows"),
+]
+
+
+@pytest.mark.parametrize("T,lower_bound,steep,dot_spread_max", sweep(PAIR_DOTS_CASES, keep=3))
+def test_ring_chunk_form_pair_dots(T, lower_bound, steep, dot_spread_max):
+    """``RingVerifyConfig.pair_dots``: the steps kernel's pair sums, M and x as tensor-core
+    products (factored at the committed state where the program's decays allow, a column at a
+    time where they are steeper than ``dot_spread_max``) against float64 and against the
+    column-at-a-time steps on the same inputs; finite under per-step decays of -50."""
+    from kdakit.ops.mtp_verify import mtp_verify_config
+    p, d = make_problem(61, act=torch.float32, conv=False, T=T, K=48, V=24, H=1, HV=2)
+    if steep:
+        p["A_log"] = torch.full_like(p["A_log"], 4.0)
+        p["a"] = p["a"] * 4
+    config = mtp_verify_config(d["N"], T, d["HV"], d["V"], d["K"], lower_bound)
+    columns = dataclasses.replace(config, ring_form="chunked", ring=dataclasses.replace(config.ring, pair_dots=False))
+    dots = dataclasses.replace(columns, ring=dataclasses.replace(columns.ring, pair_dots=True,
+                                                                 dot_spread_max=dot_spread_max))
+    ref_out = call_verify(p, fresh_buffers(d, mode="ring"), conv=False, lower_bound=lower_bound, f64=True)
+    out_columns = call_verify_triton(p, fresh_buffers(d, mode="ring"), conv=False, lower_bound=lower_bound,
+                                     config=columns)
+    bufs = fresh_buffers(d, mode="ring")
+    out = call_verify_triton(p, bufs, conv=False, lower_bound=lower_bound, config=dots)
+    assert torch.isfinite(out).all()
+    assert_close(out, ref_out, 1e-5, "pair dots vs float64")
+    assert_close(out, out_columns, 1e-5, "pair dots vs the column-at-a-time steps")
+    ref_bufs = fresh_buffers(d, mode="ring")
+    call_verify_triton(p, ref_bufs, conv=False, lower_bound=lower_bound, config=columns)
+    for x, y in zip(bufs["rings"], ref_bufs["rings"]):
+        assert torch.equal(x, y), "ring entries: the same bits either way"
+
+
 def test_factored_pair_sums_rule():
     from kdakit.ops.ring_verify import factored_pair_sums
     assert factored_pair_sums(8, -5.0) and factored_pair_sums(16, -5.0) and factored_pair_sums(4, -1.0)

@@ -369,6 +369,47 @@ def test_ring_mode_equals_snapshot_mode_and_ring_commit_is_bitwise(backend, conv
         assert torch.equal(state[others], p["state"][others])
 
 
+@pytest.mark.parametrize("lower_bound,steep,dot_spread_max", sweep([
+    pytest.param(-5.0, False, 60.0, id="safegate-factored-dots"),
+    pytest.param(None, False, 60.0, id="defaultgate-mild-dots"),
+    pytest.param(None, True, 60.0, id="defaultgate-steep-by-column"),
+], keep=2))
+def test_ring_chunk_form_pair_dots_on_trees(lower_bound, steep, dot_spread_max, monkeypatch):
+    """``RingVerifyConfig.pair_dots`` on 12-node trees (16-row tiles; the path sums of the
+    log-decays as one product of the path matrix): outputs against float64 and against the
+    column-at-a-time steps, ring entries bit for bit, padding rows zero and an invalid parent
+    the committed state, both ways."""
+    from kdakit.ops import tree_verify as tree_verify_module
+    pinned = tree_verify_module.tree_verify_config
+    T = 12
+    p, d = make_problem(89, N=4, T=T, HV=2, act=torch.float32, conv=False, K=16, V=24, slots=7, scratch=6)
+    p["slot_indices"][1] = -1
+    p["parents"][2, T - 1] = T + 3
+    if steep:
+        p["A_log"] = torch.full_like(p["A_log"], 4.0)
+        p["a"] = p["a"] * 4
+    ref_out = call_tree(p, fresh_buffers(d, snap_dtype=F64), conv=False, lower_bound=lower_bound, f64=True)
+    results = {}
+    for dots in (False, True):
+        def config(*args, **kw):
+            c = pinned(*args, **kw)
+            return dataclasses.replace(c, ring_form="chunked", ring=dataclasses.replace(
+                c.ring, pair_dots=dots, steps_warps=4 if dots else c.ring.steps_warps, dot_spread_max=dot_spread_max))
+        monkeypatch.setattr(tree_verify_module, "tree_verify_config", config)
+        bufs, rings = fresh_buffers(d), ring_buffers(d)
+        out = call_tree(p, dict(bufs, snapshots=None), conv=False, lower_bound=lower_bound, backend="triton",
+                        rings=rings)
+        results[dots] = out, rings
+    (out, rings), (col_out, col_rings) = results[True], results[False]
+    live = p["slot_indices"] >= 0
+    assert torch.isfinite(out).all()
+    assert_close(out[live], ref_out[live], 1e-5, "pair dots vs float64")
+    assert_close(out, col_out, 1e-5, "pair dots vs the column-at-a-time steps")
+    assert torch.equal(out[~live], torch.zeros_like(out[~live])), "padding rows' outputs are zero"
+    for x, y in zip(rings, col_rings):
+        assert torch.equal(x, y), "ring entries: the same bits either way"
+
+
 TREE_CHUNK_CASES = [  # (conv, norm, lower_bound, act, HV, T, factored): the chunk form's pair sums both ways
     pytest.param(True, False, -2.0, torch.bfloat16, 2, 6, True, id="conv-safegate-factored-bf16-HV2-T6"),
     pytest.param(False, True, None, torch.float32, 1, 8, False, id="noconv-norm-defaultgate-f32-T8"),

@@ -68,13 +68,48 @@ def tree_path_bits(par, T: tl.constexpr, BLOCK_T: tl.constexpr):
 
 
 @triton.jit
+def _pair_sums_by_column(k_hat, q_hat, G_cum, path_bits, offs_t, T: tl.constexpr, BLOCK_T: tl.constexpr,
+                         TREE: tl.constexpr):
+    """A and B one column s at a time on [T, K] tiles (no [T, T, K] products), each decay
+    ``e^(G_t - G_s)`` taken pair by pair (zero off the pairs: t < s, or s off t's path): row s
+    of a tile is picked out exactly (one value plus zeros), within each thread's registers
+    as the program is one warp. Safe whatever the gate."""
+    A = tl.zeros((BLOCK_T, BLOCK_T), dtype=tl.float32)
+    B = tl.zeros((BLOCK_T, BLOCK_T), dtype=tl.float32)
+    for s in tl.static_range(T):
+        row_s = offs_t[:, None] == s
+        k_s = tl.sum(tl.where(row_s, k_hat, 0.0), axis=0)
+        G_s = tl.sum(tl.where(row_s, G_cum, 0.0), axis=0)
+        if TREE:  # the rows t whose path holds s
+            pairs = ((path_bits >> s) & 1) != 0
+        else:
+            pairs = offs_t >= s
+        k_decayed = k_s[None, :] * tl.exp(tl.where(pairs[:, None], G_cum - G_s[None, :], float("-inf")))
+        A = tl.where(offs_t[None, :] == s, tl.sum(k_hat * k_decayed, axis=1)[:, None], A)
+        B = tl.where(offs_t[None, :] == s, tl.sum(q_hat * k_decayed, axis=1)[:, None], B)
+    return A, B
+
+
+@triton.jit
+def _pair_sums_factored_dots(k_hat, k_gated, q_gated, G_cum, mask_tk, DOT_PRECISION: tl.constexpr):
+    """A and B (every pair, masked by the caller) as two tensor-core products factored at the
+    committed state: (k̂ e^G)(k̂ e^-G)ᵀ and (q̂ e^G)(k̂ e^-G)ᵀ. Only where e^-G stays finite and
+    the products cannot overflow (|G| bounded: the caller decides)."""
+    k_ungated = k_hat * tl.exp(tl.where(mask_tk, -G_cum, 0.0))
+    A = tl.dot(k_gated, tl.trans(k_ungated), input_precision=DOT_PRECISION)
+    B = tl.dot(q_gated, tl.trans(k_ungated), input_precision=DOT_PRECISION)
+    return A, B
+
+
+@triton.jit
 def _ring_verify_steps_kernel(
     q, k, a, b, A_log, dt_bias, slot_indices, scratch_indices, parents, x_rows, m_rows,
     ring_k, ring_g, ring_beta, errors, s_rk_slot, s_rg_slot, s_rb_slot, ring_len,
     num_slots, num_rows, scale, lower_bound,
     T: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, SAFE_GATE: tl.constexpr, FACTORED: tl.constexpr,
-    TREE: tl.constexpr, STORE_X: tl.constexpr,
+    TREE: tl.constexpr, STORE_X: tl.constexpr, PAIR_DOTS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT_SPREAD_MAX: tl.constexpr,
     WAIT_FOR_TOKENS: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr, CHECK_ROWS: tl.constexpr,
     ERR_INDEX: tl.constexpr,
 ):
@@ -133,55 +168,52 @@ def _ring_verify_steps_kernel(
     if TREE:
         # on_path[t, s]: s is t or an ancestor of t (an invalid parent is the committed
         # state, as load_tree_parents maps it); G_cum[t]: the log-decays summed along t's
-        # path, root first (its parent's sum plus its own).
+        # path, root first (its parent's sum plus its own; with PAIR_DOTS one product of
+        # the path matrix with g, the same sums in another order).
         par = load_tree_parents(parents + i_n.to(tl.int64) * T, T, BLOCK_T)
         path_bits = tree_path_bits(par, T, BLOCK_T)
         on_path = ((path_bits[:, None] >> offs_t[None, :].to(path_bits.dtype)) & 1) != 0
-        G_cum = g
-        for t in tl.static_range(1, T):  # the parent's row is final (p < t); none for p = -1
-            G_p = tl.sum(tl.where(offs_t[:, None] == tree_parent(par, t, BLOCK_T), G_cum, 0.0), axis=0)
-            G_cum = tl.where(offs_t[:, None] == t, G_cum + G_p[None, :], G_cum)
+        if PAIR_DOTS:
+            G_cum = tl.dot(on_path.to(tl.float32), g, input_precision="ieee")
+        else:
+            G_cum = g
+            for t in tl.static_range(1, T):  # the parent's row is final (p < t); none for p = -1
+                G_p = tl.sum(tl.where(offs_t[:, None] == tree_parent(par, t, BLOCK_T), G_cum, 0.0), axis=0)
+                G_cum = tl.where(offs_t[:, None] == t, G_cum + G_p[None, :], G_cum)
+        pair_mask = on_path
     else:
+        path_bits = offs_t  # not read
         G_cum = tl.cumsum(g, axis=0)
-    # The pair sums one column s at a time, on [T, K] tiles (no [T, T, K] products): row s
-    # of a tile is picked out exactly (one value plus zeros), within each thread's registers
-    # as the program is one warp. exp(G_t - G_s) is taken pair by pair, zero where t < s, or,
-    # FACTORED, as e^G_t · e^-G_s: safe when |G| <= T |lower_bound| <= 80 (the launcher's
-    # rule), and no exponential per pair.
-    A = tl.zeros((BLOCK_T, BLOCK_T), dtype=tl.float32)
-    B = tl.zeros((BLOCK_T, BLOCK_T), dtype=tl.float32)
-    if FACTORED:
-        e_G = tl.exp(G_cum)
-        k_gated = k_hat * e_G
-        q_gated = q_hat * e_G
+        pair_mask = offs_t[:, None] >= offs_t[None, :]
+    # The pair sums: elementwise one column s at a time on [T, K] tiles (_pair_sums_by_column), or
+    # with PAIR_DOTS as two tensor-core products factored at the committed state, e^(G_t - G_s) =
+    # e^G_t · e^-G_s, wherever that is safe: under FACTORED (the launcher's rule) or where this
+    # program's largest decay -G is at most DOT_SPREAD_MAX (decided here, from the decays).
+    e_G = tl.exp(G_cum)
+    k_gated = k_hat * e_G
+    q_gated = q_hat * e_G
+    if PAIR_DOTS:
+        if FACTORED:
+            A, B = _pair_sums_factored_dots(k_hat, k_gated, q_gated, G_cum, mask_tk, DOT_PRECISION)
+        else:
+            steep = tl.max(tl.max(tl.where(mask_tk, -G_cum, 0.0), axis=1), axis=0) > DOT_SPREAD_MAX
+            if steep:
+                A, B = _pair_sums_by_column(k_hat, q_hat, G_cum, path_bits, offs_t, T, BLOCK_T, TREE)
+            else:
+                A, B = _pair_sums_factored_dots(k_hat, k_gated, q_gated, G_cum, mask_tk, DOT_PRECISION)
+        B = tl.where(pair_mask, B, 0.0)
+    elif FACTORED:
         k_ungated = k_hat * tl.exp(-G_cum)
+        A = tl.zeros((BLOCK_T, BLOCK_T), dtype=tl.float32)
+        B = tl.zeros((BLOCK_T, BLOCK_T), dtype=tl.float32)
         for s in tl.static_range(T):
             k_s = tl.sum(tl.where(offs_t[:, None] == s, k_ungated, 0.0), axis=0)
             A = tl.where(offs_t[None, :] == s, tl.sum(k_gated * k_s[None, :], axis=1)[:, None], A)
             B = tl.where(offs_t[None, :] == s, tl.sum(q_gated * k_s[None, :], axis=1)[:, None], B)
-        if TREE:
-            B = tl.where(on_path, B, 0.0)
-        else:
-            B = tl.where(offs_t[:, None] >= offs_t[None, :], B, 0.0)
+        B = tl.where(pair_mask, B, 0.0)
     else:
-        for s in tl.static_range(T):
-            row_s = offs_t[:, None] == s
-            k_s = tl.sum(tl.where(row_s, k_hat, 0.0), axis=0)
-            G_s = tl.sum(tl.where(row_s, G_cum, 0.0), axis=0)
-            if TREE:  # the rows t whose path holds s
-                pairs = ((path_bits >> s) & 1) != 0
-            else:
-                pairs = offs_t >= s
-            k_decayed = k_s[None, :] * tl.exp(tl.where(pairs[:, None], G_cum - G_s[None, :], float("-inf")))
-            A = tl.where(offs_t[None, :] == s, tl.sum(k_hat * k_decayed, axis=1)[:, None], A)
-            B = tl.where(offs_t[None, :] == s, tl.sum(q_hat * k_decayed, axis=1)[:, None], B)
-        e_G = tl.exp(G_cum)
-        k_gated = k_hat * e_G
-        q_gated = q_hat * e_G
-    if TREE:
-        A = tl.where(on_path & (offs_t[:, None] != offs_t[None, :]), A, 0.0)
-    else:
-        A = tl.where(offs_t[:, None] > offs_t[None, :], A, 0.0)
+        A, B = _pair_sums_by_column(k_hat, q_hat, G_cum, path_bits, offs_t, T, BLOCK_T, TREE)
+    A = tl.where(pair_mask & (offs_t[:, None] != offs_t[None, :]), A, 0.0)
 
     # (I + diag(β) A)^-1 by forward substitution: row t needs only rows s < t.
     beta_A = beta[:, None] * A
@@ -190,14 +222,20 @@ def _ring_verify_steps_kernel(
         row = tl.sum(tl.where(offs_t[:, None] == t, beta_A, 0.0), axis=0)
         new = tl.where(offs_t == t, 1.0, 0.0) - tl.sum(row[:, None] * solve, axis=0)
         solve = tl.where(offs_t[:, None] == t, new[None, :], solve)
-    M = tl.sum(B[:, :, None] * solve[None, :, :], axis=1) * beta[None, :]
+    if PAIR_DOTS:
+        M = tl.dot(B, solve, input_precision=DOT_PRECISION) * beta[None, :]
+    else:
+        M = tl.sum(B[:, :, None] * solve[None, :, :], axis=1) * beta[None, :]
 
     head_rows = (i_n.to(tl.int64) * HV + i_hv) * T + offs_t
     if STORE_X:
-        x = q_gated
-        for s in tl.static_range(T):
-            m_s = tl.sum(tl.where(offs_t[None, :] == s, M, 0.0), axis=1)
-            x -= m_s[:, None] * tl.sum(tl.where(offs_t[:, None] == s, k_gated, 0.0), axis=0)[None, :]
+        if PAIR_DOTS:
+            x = q_gated - tl.dot(M, k_gated, input_precision=DOT_PRECISION)
+        else:
+            x = q_gated
+            for s in tl.static_range(T):
+                m_s = tl.sum(tl.where(offs_t[None, :] == s, M, 0.0), axis=1)
+                x -= m_s[:, None] * tl.sum(tl.where(offs_t[:, None] == s, k_gated, 0.0), axis=0)[None, :]
         tl.store(x_rows + head_rows[:, None] * K + offs_k[None, :], x, mask=mask_tk)
     tl.store(m_rows + head_rows[:, None] * T + offs_t[None, :], M, mask=mask_t[:, None] & mask_t[None, :])
 
@@ -329,6 +367,24 @@ class RingVerifyConfig:
     steps_warps: int = 1
     factored: bool = False
     state_from_inputs: bool = False
+    pair_dots: bool = False          # steps kernel: the pair sums, M and x as tensor-core products on
+    #                                  16-row tiles (factored at the committed state where |G| <= the
+    #                                  spread bound, checked per program) instead of a column at a time
+    steps_dot_precision: str = "ieee"  # pair_dots: the steps kernel's products (float32 FMA: the column
+    #                                  form's accuracy, 178-188 registers at 16 nodes on 4 warps for sm_90
+    #                                  where tf32x3 spills; "tf32" is one rounding of each operand)
+    dot_spread_max: float = 60.0     # pair_dots under the default gate: the largest decay -G a program
+    #                                  factors (e^60 and e^-60 are normal float32 numbers); steeper ones
+    #                                  take their pairs a column at a time
+
+    def __post_init__(self):
+        for name in ("dot_precision", "steps_dot_precision"):
+            if getattr(self, name) not in ("tf32", "tf32x3", "ieee"):
+                raise ValueError(f"RingVerifyConfig.{name} must be 'tf32', 'tf32x3' or 'ieee' "
+                                 f"(got {getattr(self, name)!r}).")
+        if not 0.0 <= self.dot_spread_max <= FACTOR_BOUND:
+            raise ValueError(f"RingVerifyConfig.dot_spread_max must be within [0, {FACTOR_BOUND}] (e^-G stays a "
+                             f"normal float32 number; got {self.dot_spread_max!r}).")
 
 
 # The pair sums factored as (k̂ e^G)(k̂ e^-G) where the safe gate bounds |G| by T |lower_bound|
@@ -393,9 +449,11 @@ def ring_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indi
          m_rows, ring_k, ring_g, ring_beta,
          errors.counters(q.device), ring_k.stride(0), ring_g.stride(0), ring_beta.stride(0), ring_k.shape[2],
          *bounds, float(scale), float(lower_bound) if lower_bound is not None else 0.0),
-        dict(T=T, H=H, HV=HV, K=K, BLOCK_T=next_power_of_2(T), BLOCK_K=next_power_of_2(K),
+        dict(T=T, H=H, HV=HV, K=K, BLOCK_T=max(16, next_power_of_2(T)) if cfg.pair_dots else next_power_of_2(T),
+             BLOCK_K=max(16, next_power_of_2(K)) if cfg.pair_dots else next_power_of_2(K),
              SAFE_GATE=lower_bound is not None, FACTORED=bool(cfg.factored) and lower_bound is not None, TREE=tree,
-             STORE_X=not from_inputs, WAIT_FOR_TOKENS=wait_for_tokens and pdl, LAUNCH_DEPENDENTS=pdl,
+             STORE_X=not from_inputs, PAIR_DOTS=bool(cfg.pair_dots), DOT_PRECISION=cfg.steps_dot_precision,
+             DOT_SPREAD_MAX=float(cfg.dot_spread_max), WAIT_FOR_TOKENS=wait_for_tokens and pdl, LAUNCH_DEPENDENTS=pdl,
              CHECK_ROWS=bounds[1] >= 0,
              ERR_INDEX=errors.INDEX["tree_verify" if tree else "mtp_verify"]),
         num_warps=cfg.steps_warps, num_stages=1, launch_pdl=wait_for_tokens and pdl)
