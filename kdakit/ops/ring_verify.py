@@ -420,8 +420,9 @@ def state_from_inputs(T: int, tree: bool) -> bool:
 def ring_verify_config(T: int, lower_bound, tree: bool = False) -> RingVerifyConfig:
     """The chunk form's pinned config for ``T`` steps (``tree``: nodes) under ``lower_bound``
     (None: the default gate)."""
-    return RingVerifyConfig(steps_warps=steps_warps(T), factored=factored_pair_sums(T, lower_bound),
-                            state_from_inputs=state_from_inputs(T, tree))
+    dots = 8 < T <= 16
+    return RingVerifyConfig(steps_warps=4 if dots else steps_warps(T), factored=factored_pair_sums(T, lower_bound),
+                            state_from_inputs=state_from_inputs(T, tree), pair_dots=dots)
 
 
 def ring_verify(q, k, v, a, b, A_log, dt_bias, state, slot_indices, scratch_indices, bounds, out, rings, *, scale,
