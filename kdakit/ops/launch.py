@@ -30,6 +30,7 @@ import triton
 from triton.runtime import driver
 
 from ..buffers import kept_buffer
+from ..contracts import env_flag
 
 COMPILED_FOR_TARGET: list[str] = []  # kernels compiled in compile-only mode, in order
 
@@ -82,12 +83,12 @@ def cdiv(a: int, b: int) -> int:
 
 def interpreting() -> bool:
     """Triton's interpreter runs the kernels (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "") == "1"
+    return env_flag("TRITON_INTERPRET") == "1"
 
 
 def compile_only_target():
     """The GPU target of compile-only mode, or None."""
-    name = os.environ.get("KDAKIT_COMPILE_ONLY", "")
+    name = env_flag("KDAKIT_COMPILE_ONLY")
     if not name:
         return None
     from triton.backends.compiler import GPUTarget
@@ -134,8 +135,18 @@ def triton_specialization(arg) -> tuple:
 
 
 def specialization_key(args) -> tuple:
-    """What Triton specializes a compiled kernel on, for each runtime argument."""
-    return tuple(_spec(arg) for arg in args)
+    """What Triton specializes a compiled kernel on, for each runtime argument (``_spec``; the
+    common kinds inline: this runs on every eager launch)."""
+    key = []
+    for arg in args:
+        kind = type(arg)
+        if kind is torch.Tensor:
+            key.append((arg.dtype, arg.data_ptr() % 16 == 0))
+        elif kind is int:
+            key.append((arg == 1, arg % 16 == 0, -(2 ** 31) <= arg < 2 ** 31))
+        else:
+            key.append(_spec(arg))
+    return tuple(key)
 
 
 def _spec(arg):
@@ -173,15 +184,15 @@ class CachedKernel:
             with torch.cuda.device(first.device):
                 return self(grid, args, constexprs, num_warps=num_warps, num_stages=num_stages,
                             launch_pdl=launch_pdl, max_registers=max_registers)
-        options = _options(num_warps, num_stages, launch_pdl, max_registers)
         if not _FAST_PATH[0]:
-            self.fn[grid](*args, **constexprs, **options)
+            self.fn[grid](*args, **constexprs, **_options(num_warps, num_stages, launch_pdl, max_registers))
             return
         key = (device, specialization_key(args), tuple(constexprs.values()), num_warps, num_stages, launch_pdl,
                max_registers)
         kernel = self.compiled.get(key)
         if kernel is None:
-            self.compiled[key] = self.fn[grid](*args, **constexprs, **options)
+            self.compiled[key] = self.fn[grid](*args, **constexprs,
+                                               **_options(num_warps, num_stages, launch_pdl, max_registers))
             return
         # The launcher takes every argument in signature order, constexprs included.
         bound = (*args, *(constexprs[name] for name in self.fn.arg_names[len(args):]))
@@ -193,7 +204,7 @@ class CachedKernel:
             metadata = kernel.launch_metadata(grid, stream, *bound)
         except (AttributeError, TypeError) as error:
             _fall_back(error)
-            self.fn[grid](*args, **constexprs, **options)
+            self.fn[grid](*args, **constexprs, **_options(num_warps, num_stages, launch_pdl, max_registers))
             return
         # Not inside the try: a launch hook may raise after the kernel ran, and a second launch
         # of an in-place op would apply it twice.
@@ -208,7 +219,7 @@ def pdl_available(device: torch.device) -> bool:
     must not be written by it. Used only between kdakit's own kernels, where that holds
     by construction. ``KDAKIT_PDL=0`` turns it off; compile-only mode (sm_90) turns it on
     so that CI compiles the waiting variants."""
-    if os.environ.get("KDAKIT_PDL", "1") == "0":
+    if env_flag("KDAKIT_PDL") == "0":
         return False
     if device.type != "cuda":
         target = compile_only_target()

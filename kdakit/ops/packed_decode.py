@@ -7,6 +7,7 @@ no pool access; so is a slot past the pool, which is counted (``kdakit.take_erro
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -104,6 +105,7 @@ class PackedDecodeConfig:
     evict: str = ""         # cache hint of the state loads ("" or "evict_first")
 
 
+@functools.lru_cache(maxsize=256)  # pure in its integers; every eager call asks
 def packed_decode_config(batch: int, HV: int, V: int, K: int, state_itemsize: int) -> PackedDecodeConfig:
     """Pinned ahead of time from the H200 sweeps in benchmarks/results (no autotuning in a
     serving call).
