@@ -124,6 +124,10 @@ def checks():
 # --sweep: Conv1dVarlenConfig fields changed from the picked config (harness.parse_configs syntax)
 SWEEP = {
     "rows": "block_t=8;block_t=32,block_c=256;block_t=32;block_c=512,num_warps=2;token_major=true;"
+            # many small programs (8 tokens x 256 channels, 4-byte loads a thread at 4 warps: 48k
+            # programs at 1 x 8192), as sglang's conv runs at 70-74% of the floor; not yet timed
+            "block_t=8,block_c=256,num_warps=2;block_t=8,block_c=256,num_warps=1;"
+            "form=rows,block_t=8,block_c=256,num_warps=2;form=rows,block_t=16,block_c=256,num_warps=2;"
             # the "rows" form (each input row loaded once): 215-225 µs against 203-211 for the picked
             # tile form (results/conv1d_varlen_sweep_h100.log)
             "form=rows,block_t=32,block_c=1024,num_warps=4;form=rows,block_t=32,block_c=512,num_warps=2",

@@ -99,7 +99,8 @@ kdakit.causal_conv1d_varlen(x_var, rnd(slots, C, 1), torch.randn(C, 2), cu_var, 
 kdakit.causal_conv1d_varlen(x_var, conv_state, conv_w, cu_var[::3].contiguous(), slots_var[:1], backend="triton")  # N=1
 # the "rows" form of the varlen conv (a program streams its tokens a row at a time)
 from kdakit.ops.conv1d_varlen import Conv1dVarlenConfig, causal_conv1d_varlen_triton  # noqa: E402
-for conv_cfg in (Conv1dVarlenConfig(32, 1024, 4, form="rows"), Conv1dVarlenConfig(16, 512, 2, form="rows")):
+for conv_cfg in (Conv1dVarlenConfig(32, 1024, 4, form="rows"), Conv1dVarlenConfig(16, 512, 2, form="rows"),
+                 Conv1dVarlenConfig(8, 256, 2, form="rows")):
     n_before = len(COMPILED_FOR_TARGET)
     causal_conv1d_varlen_triton(x_var, conv_state, conv_w, cu_var, slots_var, torch.empty_like(x_var),
                                 has_initial_state=torch.tensor([True, False, True]), bias=torch.randn(C),
