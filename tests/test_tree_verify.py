@@ -384,6 +384,8 @@ def test_ring_chunk_form_pair_dots_on_trees(lower_bound, steep, dot_spread_max, 
     T = 12
     p, d = make_problem(89, N=4, T=T, HV=2, act=torch.float32, conv=False, K=16, V=24, slots=7, scratch=6)
     p["slot_indices"][1] = -1
+    for name in ("q", "k", "v", "a", "b"):  # a free row's tokens may be anything
+        p[name][1] = float("nan")
     p["parents"][2, T - 1] = T + 3
     if steep:
         p["A_log"] = torch.full_like(p["A_log"], 4.0)
