@@ -172,14 +172,17 @@ chunk_prefill_triton(*xp[:3], -torch.rand(1, Tp, HV, K), xp[4], state, torch.ten
                      chunk_state_indices=None, config=ChunkConfig(chunk=32, block_v=64, prep_warps=4, pipeline_stages=3))
 # the picked config runs the prep as six launches (the products as two) and the diagonal inverses;
 # the given one as one
+# (each call first builds its chunk plan: one launch)
+PLAN = ["_chunk_plan_kernel"]
 PICKED_PREP = ["_chunk_prep_kernel"] * 4 + ["_diagonal_inverse_kernel"] + ["_chunk_prep_kernel"] * 2
-assert COMPILED_FOR_TARGET[-18:] == (PICKED_PREP + ["_chunk_state_kernel"]) * 2 + [
-    "_chunk_prep_kernel", "_chunk_state_kernel"], COMPILED_FOR_TARGET[-18:]
+assert COMPILED_FOR_TARGET[-21:] == (PLAN + PICKED_PREP + ["_chunk_state_kernel"]) * 2 + PLAN + [
+    "_chunk_prep_kernel", "_chunk_state_kernel"], COMPILED_FOR_TARGET[-21:]
 chunk_prefill_triton(*xp, state, torch.tensor([1, 2], dtype=torch.int32), torch.empty(1, Tp, HV, V, dtype=bf),
                      cu_seqlens=cu_p, scale=0.1, use_qk_l2norm=True, A_log=A_log, dt_bias=dt_bias, lower_bound=None,
                      beta_mode=1, has_initial_state=None, chunk_states=None, chunk_state_indices=None,
                      config=ChunkConfig(split_prep=True))  # the prep as three launches
-assert COMPILED_FOR_TARGET[-4:] == ["_chunk_prep_kernel"] * 3 + ["_chunk_state_kernel"], COMPILED_FOR_TARGET[-4:]
+assert COMPILED_FOR_TARGET[-5:] == PLAN + ["_chunk_prep_kernel"] * 3 + ["_chunk_state_kernel"], \
+    COMPILED_FOR_TARGET[-5:]
 for split in (True, False):  # q and k read from the inputs in the later prep phases
     chunk_prefill_triton(*xp, state, torch.tensor([1, 2], dtype=torch.int32), torch.empty(1, Tp, HV, V, dtype=bf),
                          cu_seqlens=cu_p, scale=0.1, use_qk_l2norm=True, A_log=A_log, dt_bias=dt_bias,
@@ -190,7 +193,8 @@ chunk_prefill_triton(*xp, state, torch.tensor([1, 2], dtype=torch.int32), torch.
                      beta_mode=1, has_initial_state=None, chunk_states=None, chunk_state_indices=None,
                      config=ChunkConfig(split_prep=True, split_rest=True,  # five prep launches
                                         factor_dtype="bfloat16"))
-assert COMPILED_FOR_TARGET[-6:] == ["_chunk_prep_kernel"] * 5 + ["_chunk_state_kernel"], COMPILED_FOR_TARGET[-6:]
+assert COMPILED_FOR_TARGET[-7:] == PLAN + ["_chunk_prep_kernel"] * 5 + ["_chunk_state_kernel"], \
+    COMPILED_FOR_TARGET[-7:]
 for chunk in (32, 64):  # the inverse by doubling (one level, two)
     chunk_prefill_triton(*xp, state, torch.tensor([1, 2], dtype=torch.int32), torch.empty(1, Tp, HV, V, dtype=bf),
                          cu_seqlens=cu_p, scale=0.1, use_qk_l2norm=True, A_log=A_log, dt_bias=dt_bias,

@@ -298,6 +298,36 @@ def test_reference_backend_and_plan():
     assert seq.tolist() == [0, 1, 1, 1, 3, 3, 3, 3] + [4] * (len(seq) - 8)
 
 
+@pytest.mark.parametrize("case", ["ragged", "empty-and-unsorted", "out-of-range", "many-sequences", "int64-no-T"])
+def test_chunk_plan_kernel_equals_the_torch_ops(case):
+    """The plan kernel (one launch) and the torch ops it replaces give the same plan bit for bit:
+    ragged lengths, empty and decreasing offsets, offsets past [0, T], more sequences and chunk
+    ids than one pass of the kernel's program covers, int64 offsets without a T."""
+    from kdakit.ops.chunk_prefill.plan import chunk_plan_torch
+    g = torch.Generator().manual_seed(len(case))
+    C, T, dtype = 16, 1000, torch.int32
+    if case == "ragged":
+        cu = torch.cat([torch.zeros(1), torch.randint(0, 70, (9,), generator=g).float().cumsum(0)])
+        T = int(cu[-1])
+    elif case == "empty-and-unsorted":
+        cu = torch.tensor([0, 0, 37, 37, 20, 300, 300, 1000])
+    elif case == "out-of-range":
+        cu = torch.tensor([-50, 10, 2000, 900, -3, 1000])
+    elif case == "many-sequences":  # two passes over the sequences and over the chunk ids
+        cu = torch.cat([torch.zeros(1), torch.randint(0, 40, (1500,), generator=g).float().cumsum(0)])
+        T, C = int(cu[-1]), 8
+    else:
+        cu, T, dtype = torch.tensor([0, 5, 5, 64, 65, 200]), None, torch.int64
+    cu = cu.to(dtype)
+    N = cu.numel() - 1
+    max_chunks = max_chunks_for(T if T is not None else 200, N, C)
+    first, seq = chunk_plan(cu, C, max_chunks, T)
+    want_first, want_seq = chunk_plan_torch(cu, C, max_chunks, T)
+    assert torch.equal(first, want_first) and torch.equal(seq, want_seq)
+    if case == "many-sequences":
+        assert N > 1024 and max_chunks > 1024 and int(first[-1]) > 1024
+
+
 # ----------------------------------------------------------------------------
 # The contract
 # ----------------------------------------------------------------------------

@@ -40,7 +40,8 @@ The package, a module per part:
 - ``config.py``: ``ChunkConfig``, the launch configuration, and ``chunk_config``, which pins
   it from the shapes (the thresholds it picks by; the products' precision and dtypes);
 - ``plan.py``: the chunk plan (which global chunk belongs to which sequence), built on the
-  device by ``chunk_plan`` for ``max_chunks_for`` chunks and read by the kernels;
+  device by ``chunk_plan`` (one launch of a one-program kernel) for ``max_chunks_for`` chunks
+  and read by the kernels;
 - ``prep.py``: ``_chunk_prep_kernel``, one program per (chunk, value head), token-parallel:
   ``A``, ``P``, the inverse and the chain's factors into a workspace, in up to seven launches;
   with ``products.py`` (the ``A`` and ``P`` products and the loads the phases share),
