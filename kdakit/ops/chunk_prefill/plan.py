@@ -57,10 +57,12 @@ def _chunk_plan_kernel(cu_seqlens, chunk_first, chunk_seq, N, T, max_chunks, sea
     clamped into [0, T] where T >= 0, lengths at least 0), then each chunk id's sequence by a
     binary search of ``chunk_first[1:]`` (the count of sequences whose chunks end at or before
     it: ``searchsorted(..., right=True)``), ``search_steps`` halvings of [0, N]."""
+    # (while loops: Triton 3.6's interpreter cannot bound a range() by an integer argument)
     offs = tl.arange(0, BLOCK)
     tl.store(chunk_first + offs, tl.zeros([BLOCK], dtype=tl.int32), mask=offs == 0)
     running = tl.zeros([], dtype=tl.int64)
-    for start in range(0, N, BLOCK):
+    start = tl.zeros([], dtype=tl.int64)
+    while start < N:
         n = start + offs
         live = n < N
         a = tl.load(cu_seqlens + n, mask=live, other=0).to(tl.int64)
@@ -71,19 +73,24 @@ def _chunk_plan_kernel(cu_seqlens, chunk_first, chunk_seq, N, T, max_chunks, sea
         chunks = tl.where(live, (tl.maximum(b - a, 0) + C - 1) // C, 0)
         tl.store(chunk_first + n + 1, (tl.cumsum(chunks, axis=0) + running).to(tl.int32), mask=live)
         running += tl.sum(chunks, axis=0)
+        start += BLOCK
     tl.debug_barrier()  # the searches below read what every thread stored above
-    for start in range(0, max_chunks, BLOCK):
-        ids = (start + offs).to(tl.int64)
+    start = tl.zeros([], dtype=tl.int64)
+    while start < max_chunks:
+        ids = start + offs
         lo = tl.zeros([BLOCK], dtype=tl.int64)
         hi = tl.zeros([BLOCK], dtype=tl.int64) + N
-        for _ in range(search_steps):
+        step = tl.zeros([], dtype=tl.int32)
+        while step < search_steps:
             active = lo < hi
             mid = (lo + hi) // 2
             ends = tl.load(chunk_first + mid + 1, mask=active, other=0).to(tl.int64)
             right = active & (ends <= ids)
             lo = tl.where(right, mid + 1, lo)
             hi = tl.where(active & ~right, mid, hi)
+            step += 1
         tl.store(chunk_seq + ids, lo.to(tl.int32), mask=ids < max_chunks)
+        start += BLOCK
 
 
 _chunk_plan = CachedKernel(_chunk_plan_kernel)
