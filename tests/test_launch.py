@@ -6,6 +6,7 @@ record what the launcher would call, so the decisions are tested without one."""
 from __future__ import annotations
 
 import contextlib
+import os
 import types
 import warnings
 
@@ -225,3 +226,20 @@ def test_error_after_a_fast_launch_is_not_launched_again(fake_gpu, monkeypatch):
         _launch(kernel, 0)
     assert [entry[0] for entry in jit.log] == ["public", "fast"]
     assert launch.fast_path_enabled()
+
+
+def test_env_flag_follows_the_environment_as_it_changes(monkeypatch):
+    """``env_flag`` reads os.environ's own mapping: a set, a changed and a removed variable all
+    show on the next read (users and tests flip KDAKIT_* at run time)."""
+    from kdakit.contracts import env_flag
+    name = "KDAKIT_TEST_FLAG_READ"
+    monkeypatch.delenv(name, raising=False)
+    assert env_flag(name) == ""
+    monkeypatch.setenv(name, "full")
+    assert env_flag(name) == "full"
+    os.environ[name] = "triton"
+    assert env_flag(name) == "triton"
+    del os.environ[name]
+    assert env_flag(name) == ""
+    monkeypatch.setenv(name, "é")  # not ASCII: decoded as os.environ decodes it
+    assert env_flag(name) == os.environ[name]
