@@ -22,7 +22,6 @@ compiler rejects).
 """
 from __future__ import annotations
 
-import os
 import warnings
 
 import torch
@@ -51,7 +50,7 @@ def fast_path_enabled() -> bool:
 
 
 def _initial_fast_path() -> bool:
-    if os.environ.get("KDAKIT_LAUNCHER", "").strip().lower() == "public":
+    if env_flag("KDAKIT_LAUNCHER").strip().lower() == "public":
         return False
     if triton_version() not in FAST_PATH_TRITON:
         warnings.warn(f"kdakit: Triton {triton.__version__} is not one whose launcher kdakit knows; kernels "
@@ -135,29 +134,20 @@ def triton_specialization(arg) -> tuple:
 
 
 def specialization_key(args) -> tuple:
-    """What Triton specializes a compiled kernel on, for each runtime argument (``_spec``; the
-    common kinds inline: this runs on every eager launch)."""
+    """What Triton specializes a compiled kernel on, for each runtime argument (one loop, no
+    call per argument: this runs on every eager launch)."""
     key = []
     for arg in args:
         kind = type(arg)
-        if kind is torch.Tensor:
-            key.append((arg.dtype, arg.data_ptr() % 16 == 0))
-        elif kind is int:
+        if kind is int:
             key.append((arg == 1, arg % 16 == 0, -(2 ** 31) <= arg < 2 ** 31))
+        elif kind is float:
+            key.append("f")
+        elif isinstance(arg, torch.Tensor):
+            key.append((arg.dtype, arg.data_ptr() % 16 == 0))
         else:
-            key.append(_spec(arg))
+            key.append(("o", arg))
     return tuple(key)
-
-
-def _spec(arg):
-    kind = type(arg)
-    if kind is int:
-        return (arg == 1, arg % 16 == 0, -(2 ** 31) <= arg < 2 ** 31)
-    if kind is float:
-        return "f"
-    if isinstance(arg, torch.Tensor):
-        return (arg.dtype, arg.data_ptr() % 16 == 0)
-    return ("o", arg)
 
 
 class CachedKernel:
